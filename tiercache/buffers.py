@@ -1,0 +1,101 @@
+"""A worker's tensors bound to its layout, seen as rows of bytes.
+
+Wherever the tensors come from (the caller's own memory, POSIX shared memory mapped by
+the daemon, CUDA IPC handles opened by the daemon), the engine sees the same thing: for
+each buffer a uint8 tensor [rows, row_bytes], and row ids to copy from or into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from tiercache.errors import InvalidArgument
+from tiercache.layout import BufferSpec, Layout, LayoutError, dtype_name
+
+
+def byte_rows(tensor: torch.Tensor, spec: BufferSpec) -> torch.Tensor:
+    """`tensor` as uint8 [rows, row_bytes], without a copy; each row must be contiguous."""
+    where = f"buffer {spec.name!r}"
+    if tuple(tensor.shape) != spec.shape:
+        raise LayoutError(f"{where}: tensor shape {tuple(tensor.shape)} != layout shape {spec.shape}")
+    if dtype_name(tensor.dtype) != spec.dtype:
+        raise LayoutError(f"{where}: tensor dtype {dtype_name(tensor.dtype)} != layout dtype {spec.dtype}")
+    rows = tensor.reshape(spec.rows, -1)
+    if rows.stride(1) != 1 or rows.data_ptr() != tensor.data_ptr() or (
+            rows.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()):
+        raise LayoutError(f"{where}: each row must be contiguous in memory (pass a tensor whose "
+                          "dimensions after the first are contiguous)")
+    return rows.view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class WorkerBuffers:
+    layout: Layout
+    paged: tuple[torch.Tensor, ...]  # uint8 [page rows, row bytes], in layout order
+    slots: tuple[torch.Tensor, ...]  # uint8 [state slots, row bytes], in layout order
+    device: torch.device
+
+    @classmethod
+    def bind(cls, layout: Layout, paged: Sequence[Any] | Mapping[str, Any] = (),
+             slots: Sequence[Any] | Mapping[str, Any] = ()) -> "WorkerBuffers":
+        """Check tensors against `layout` (by name, or in layout order) and view them as rows."""
+        bound = [_bind_group(kind, specs, tensors) for kind, specs, tensors in
+                 (("paged", layout.paged, paged), ("slots", layout.slots, slots))]
+        devices = {t.device for group in bound for t in group}
+        if len(devices) != 1:
+            raise LayoutError(f"buffers lie on several devices {sorted(map(str, devices))}: "
+                              "bind the buffers of one device at a time")
+        return cls(layout, bound[0], bound[1], devices.pop())
+
+    @property
+    def page_offsets(self) -> list[int]:
+        return _offsets(self.paged)
+
+    @property
+    def slot_offsets(self) -> list[int]:
+        return _offsets(self.slots)
+
+
+def _bind_group(kind: str, specs: tuple[BufferSpec, ...],
+                tensors: Sequence[Any] | Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+    if isinstance(tensors, Mapping):
+        unknown = set(tensors) - {s.name for s in specs}
+        if unknown:
+            raise LayoutError(f"{kind}: buffers {sorted(unknown)} are not in the layout")
+        missing = [s.name for s in specs if s.name not in tensors]
+        if missing:
+            raise LayoutError(f"{kind}: buffers {missing} of the layout are missing")
+        ordered = [tensors[s.name] for s in specs]
+    else:
+        ordered = list(tensors)
+        if len(ordered) != len(specs):
+            raise LayoutError(f"{kind}: got {len(ordered)} tensors, the layout has {len(specs)}")
+    return tuple(byte_rows(t, s) for t, s in zip(ordered, specs))
+
+
+def _offsets(rows: tuple[torch.Tensor, ...]) -> list[int]:
+    offsets, at = [], 0
+    for buffer in rows:
+        offsets.append(at)
+        at += buffer.shape[1]
+    return offsets
+
+
+def row_ids(rows: Any, limit: int, what: str, unique: bool = False) -> np.ndarray:
+    """Row ids as int64, each in [0, limit); a clear error otherwise."""
+    ids = np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows)
+    if ids.size == 0:
+        return np.empty(0, np.int64)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} must be a flat list of integers")
+    ids = ids.astype(np.int64)
+    bad = ids[(ids < 0) | (ids >= limit)]
+    if bad.size:
+        raise InvalidArgument(f"{what} {int(bad[0])} is out of range: the buffer has {limit} rows")
+    if unique and np.unique(ids).size != ids.size:
+        raise InvalidArgument(f"{what} repeat a row: every destination row must be distinct")
+    return ids

@@ -1,0 +1,104 @@
+"""Namespace roots and chained page keys.
+
+k_0 = root(namespace), k_i = xxh3_128(k_{i-1} || tokens of page i). A key names the whole
+prefix up to the end of its page, so two prompts share key k_i iff they share the first
+i pages (up to hash collisions) and the namespace. Tokens are hashed as little-endian
+uint32, so a list, a numpy array or a torch tensor of any integer dtype give the same keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, NewType
+
+import numpy as np
+import xxhash
+
+from tiercache.errors import InvalidArgument
+
+PageKey = NewType("PageKey", bytes)
+"""16 bytes: the digest naming a prefix that ends on a page boundary."""
+
+KEY_BYTES = 16
+_TOKEN_DTYPE = np.dtype("<u4")
+_ROOT_TAG = b"tiercache/namespace/v1"
+
+
+def _blake2b_128(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=KEY_BYTES).digest()
+
+
+# Name -> digest function of 16 bytes. xxh3 is the default (fast, not collision
+# resistant against an adversary); blake2b is for tenants that share a namespace.
+HASHES: dict[str, Callable[[bytes], bytes]] = {
+    "xxh3_128": xxhash.xxh3_128_digest,
+    "blake2b_128": _blake2b_128,
+}
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for cached bytes to be reusable."""
+
+    model_id: str
+    layout_fingerprint: str
+    tenant: str = ""
+    extra: tuple[str, ...] = ()  # LoRA id, multimodal hashes, ...
+    hash_name: str = "xxh3_128"
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise InvalidArgument("namespace.model_id is empty: name the model the bytes belong to")
+        if not self.layout_fingerprint:
+            raise InvalidArgument("namespace.layout_fingerprint is empty: use Layout.fingerprint")
+        if self.hash_name not in HASHES:
+            raise InvalidArgument(
+                f"namespace.hash_name {self.hash_name!r} is unknown: use one of {sorted(HASHES)}")
+
+    def root(self) -> PageKey:
+        fields = (self.hash_name, self.model_id, self.layout_fingerprint, self.tenant, *self.extra)
+        parts = [_ROOT_TAG, struct.pack("<I", len(fields))]
+        for field in fields:
+            data = field.encode()
+            parts += [struct.pack("<I", len(data)), data]
+        return PageKey(HASHES[self.hash_name](b"".join(parts)))
+
+
+def token_array(tokens: Any) -> np.ndarray:
+    """Token ids as a contiguous little-endian uint32 array, whatever they came in."""
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor
+        tokens = tokens.detach().cpu().numpy()
+    array = np.asarray(tokens)
+    if array.size == 0:
+        return np.empty(0, _TOKEN_DTYPE)
+    if array.ndim != 1:
+        raise InvalidArgument(f"tokens must be one-dimensional, got shape {tuple(array.shape)}")
+    if array.dtype.kind not in "iu":
+        raise InvalidArgument(f"tokens must be integers, got dtype {array.dtype}")
+    if int(array.min()) < 0 or int(array.max()) > 0xFFFF_FFFF:
+        raise InvalidArgument("token ids must lie in [0, 2**32): check the tokenizer output")
+    return np.ascontiguousarray(array, dtype=_TOKEN_DTYPE)
+
+
+def page_keys(tokens: Any, root: PageKey, page_tokens: int,
+              hash_name: str = "xxh3_128") -> list[PageKey]:
+    """Chained keys of every full page of `tokens`; a partial last page gets none."""
+    if page_tokens <= 0:
+        raise InvalidArgument(f"page_tokens must be positive, got {page_tokens}")
+    data = token_array(tokens).tobytes()
+    digest = HASHES[hash_name]
+    step = page_tokens * _TOKEN_DTYPE.itemsize
+    keys: list[PageKey] = []
+    prev = bytes(root)
+    for start in range(0, len(data) - step + 1, step):
+        prev = digest(prev + data[start:start + step])
+        keys.append(PageKey(prev))
+    return keys
+
+
+def key_hex(key: bytes, width: int = 8) -> str:
+    """A short printable form of a key for logs and errors."""
+    return key[:width].hex()
+

@@ -1,0 +1,163 @@
+"""Fixed-size slots under one byte budget, on any torch device.
+
+Each entry size gets its own pool of slots, carved from slabs that are allocated as
+stores need them. Allocation and free are O(1) (a free-list stack per pool). A slab goes
+back to the budget only when all its slots are free, which `reclaim` does on demand when
+another pool needs room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import numpy as np
+import torch
+
+
+class Memory(Protocol):
+    """Where slabs come from: host (maybe page-locked) or device memory."""
+
+    def allocate(self, slots: int, slot_bytes: int) -> torch.Tensor:
+        """A uint8 tensor [slots, slot_bytes]."""
+
+    def release(self, slab: torch.Tensor) -> None:
+        """Called once before a slab is dropped."""
+
+
+@dataclass(frozen=True)
+class SlabPart:
+    """The part of a slot list that lies in one slab."""
+
+    slab: torch.Tensor  # uint8 [slots_per_slab, slot_bytes]
+    local: np.ndarray  # slot indices inside the slab
+    positions: np.ndarray  # where these slots stand in the caller's list
+
+
+class SlotPool:
+    def __init__(self, slot_bytes: int, slots_per_slab: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.slots_per_slab = slots_per_slab
+        self.slabs: list[torch.Tensor | None] = []
+        self.used: list[int] = []  # slots in use per slab
+        self.free_slots: list[int] = []  # stack; popping hands out ascending slots
+
+    def add_slab(self, slab: torch.Tensor) -> None:
+        number = next((i for i, s in enumerate(self.slabs) if s is None), len(self.slabs))
+        if number == len(self.slabs):
+            self.slabs.append(slab)
+            self.used.append(0)
+        else:
+            self.slabs[number] = slab
+        base = number * self.slots_per_slab
+        self.free_slots.extend(range(base + slab.shape[0] - 1, base - 1, -1))
+
+    def pop(self) -> int | None:
+        if not self.free_slots:
+            return None
+        slot = self.free_slots.pop()
+        self.used[slot // self.slots_per_slab] += 1
+        return slot
+
+    def push(self, slot: int) -> None:
+        self.used[slot // self.slots_per_slab] -= 1
+        self.free_slots.append(slot)
+
+    def release_empty(self) -> list[torch.Tensor]:
+        """Take out the slabs with no slot in use and return them."""
+        empty = {i for i, s in enumerate(self.slabs) if s is not None and self.used[i] == 0}
+        released = []
+        for i in empty:
+            released.append(self.slabs[i])
+            self.slabs[i] = None
+        if empty:
+            self.free_slots = [s for s in self.free_slots if s // self.slots_per_slab not in empty]
+        return released
+
+    def view(self, slot: int) -> torch.Tensor:
+        slab = self.slabs[slot // self.slots_per_slab]
+        assert slab is not None, f"slot {slot} lies in a released slab"
+        return slab[slot % self.slots_per_slab]
+
+    def parts(self, slots: np.ndarray) -> Iterator[SlabPart]:
+        """Split a list of slots by slab (usually one part)."""
+        numbers = slots // self.slots_per_slab
+        for number in np.unique(numbers):
+            positions = np.flatnonzero(numbers == number)
+            slab = self.slabs[int(number)]
+            assert slab is not None, f"slots {slots[positions]} lie in a released slab"
+            yield SlabPart(slab, slots[positions] % self.slots_per_slab, positions)
+
+
+class SlotArena:
+    """Pools of fixed-size slots sharing one byte budget."""
+
+    def __init__(self, budget_bytes: int, slab_bytes: int, memory: Memory) -> None:
+        self.budget_bytes = budget_bytes
+        self.slab_bytes = slab_bytes
+        self.memory = memory
+        self.pools: dict[int, SlotPool] = {}
+        self.reserved_bytes = 0  # bytes of slabs allocated
+        self.used_bytes = 0  # bytes of slots in use
+
+    def pool(self, slot_bytes: int) -> SlotPool:
+        pool = self.pools.get(slot_bytes)
+        if pool is None:
+            pool = SlotPool(slot_bytes, max(1, self.slab_bytes // slot_bytes))
+            self.pools[slot_bytes] = pool
+        return pool
+
+    def fits(self, slot_bytes: int) -> bool:
+        """Whether one slot of this size can ever fit the budget."""
+        return slot_bytes <= self.budget_bytes
+
+    def alloc(self, slot_bytes: int, count: int) -> list[int]:
+        """Up to `count` slots; fewer when the budget is spent (the caller evicts and retries)."""
+        pool = self.pool(slot_bytes)
+        slots: list[int] = []
+        while len(slots) < count:
+            slot = pool.pop()
+            if slot is None:
+                if not self._grow(pool, count - len(slots)):
+                    break
+                continue
+            slots.append(slot)
+        self.used_bytes += len(slots) * slot_bytes
+        return slots
+
+    def free(self, slot_bytes: int, slots: list[int]) -> None:
+        pool = self.pools[slot_bytes]
+        for slot in slots:
+            pool.push(slot)
+        self.used_bytes -= len(slots) * slot_bytes
+
+    def reclaim(self) -> int:
+        """Give the slabs that hold no entry back to the budget."""
+        freed = 0
+        for pool in self.pools.values():
+            for slab in pool.release_empty():
+                self.memory.release(slab)
+                freed += slab.numel()
+        self.reserved_bytes -= freed
+        return freed
+
+    def close(self) -> None:
+        """Release every slab; the arena is empty afterwards."""
+        for pool in self.pools.values():
+            for slab in pool.slabs:
+                if slab is not None:
+                    self.memory.release(slab)
+        self.pools.clear()
+        self.reserved_bytes = self.used_bytes = 0
+
+    def _grow(self, pool: SlotPool, wanted: int) -> bool:
+        """Add a slab to `pool`, taking back empty slabs of other pools if that makes room."""
+        room = (self.budget_bytes - self.reserved_bytes) // pool.slot_bytes
+        if room < min(wanted, pool.slots_per_slab) and self.reclaim():
+            room = (self.budget_bytes - self.reserved_bytes) // pool.slot_bytes
+        slots = min(pool.slots_per_slab, room)
+        if slots <= 0:
+            return False
+        pool.add_slab(self.memory.allocate(slots, pool.slot_bytes))
+        self.reserved_bytes += slots * pool.slot_bytes
+        return True

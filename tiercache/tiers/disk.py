@@ -1,0 +1,193 @@
+"""The disk tier: entries in LMDB, each with a checksum that is checked on every read.
+
+Two databases in one environment: `meta` maps an entry to a small header (kind, depth,
+size, checksum, creation time), `data` to its bytes. Both are written in the same
+transaction, so an entry is either wholly there or not at all (invariant 1); the index
+is rebuilt from `meta` alone. The map size is fixed when the environment opens and never
+grows under load: a full map is reported as `DiskFull` and the engine evicts and retries.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import lmdb
+import numpy as np
+import xxhash
+
+from tiercache.errors import InvalidArgument, ResourceExhausted
+from tiercache.hashing import PageKey
+from tiercache.index import Kind
+
+GiB = 1 << 30
+
+# magic, kind, format version, depth, payload bytes, checksum, created (ns since epoch)
+_HEADER = struct.Struct("<4sBBxxIQQq")
+_MAGIC = b"TCE1"
+_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    path: str
+    map_size: int = 16 * GiB
+    budget_fraction: float = 0.8  # of map_size for entry bytes; the rest is LMDB's overhead
+    sync: bool = True  # fsync on every commit: committed entries survive a power cut
+
+    def __post_init__(self) -> None:
+        if self.map_size < 1 << 20:
+            raise InvalidArgument(f"disk.map_size {self.map_size} is under 1 MiB")
+        if not 0.0 < self.budget_fraction <= 0.95:
+            raise InvalidArgument(f"disk.budget_fraction must lie in (0, 0.95], got {self.budget_fraction}")
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.map_size * self.budget_fraction)
+
+
+@dataclass(frozen=True)
+class DiskRecord:
+    kind: Kind
+    key: PageKey
+    depth: int
+    nbytes: int
+    created_ns: int
+
+
+class DiskFull(ResourceExhausted):
+    """LMDB's map is full: evict and retry."""
+
+
+def _db_key(kind: Kind, key: bytes) -> bytes:
+    return bytes((kind,)) + key
+
+
+def _checksum(kind: Kind, key: bytes, depth: int, payload: object) -> int:
+    hasher = xxhash.xxh3_64(_db_key(kind, key))
+    hasher.update(struct.pack("<I", depth))
+    hasher.update(payload)  # type: ignore[arg-type]
+    return hasher.intdigest()
+
+
+class DiskReader:
+    """Zero-copy reads inside one read transaction; views die with it."""
+
+    def __init__(self, txn: lmdb.Transaction, tier: "DiskTier") -> None:
+        self._txn = txn
+        self._tier = tier
+
+    def get(self, kind: Kind, key: PageKey) -> memoryview | None:
+        """The entry's bytes, or None when missing or damaged (damage is counted)."""
+        dkey = _db_key(kind, key)
+        header = self._txn.get(dkey, db=self._tier.meta_db)
+        payload = self._txn.get(dkey, db=self._tier.data_db)
+        if header is None or payload is None:
+            return None
+        record = _parse(kind, key, bytes(header))
+        if (record is None or record[1] != len(payload)
+                or record[2] != _checksum(kind, key, record[0], payload)):
+            self._tier.checksum_failures += 1
+            return None
+        return payload
+
+
+def _parse(kind: Kind, key: bytes, header: bytes) -> tuple[int, int, int, int] | None:
+    """(depth, nbytes, checksum, created_ns), or None for a damaged header."""
+    if len(header) != _HEADER.size:
+        return None
+    magic, hkind, version, depth, nbytes, checksum, created = _HEADER.unpack(header)
+    if magic != _MAGIC or hkind != kind or version != _VERSION:
+        return None
+    return depth, nbytes, checksum, created
+
+
+class DiskTier:
+    def __init__(self, config: DiskConfig, env: lmdb.Environment) -> None:
+        self.config = config
+        self.env = env
+        self.meta_db = env.open_db(b"meta")
+        self.data_db = env.open_db(b"data")
+        self.used_bytes = 0
+        self.checksum_failures = 0
+
+    @classmethod
+    def open(cls, config: DiskConfig) -> "DiskTier":
+        os.makedirs(config.path, exist_ok=True)
+        env = lmdb.open(config.path, map_size=config.map_size, max_dbs=2, sync=config.sync,
+                        metasync=config.sync, meminit=False, max_readers=512)
+        return cls(config, env)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.config.budget_bytes
+
+    def write(self, entries: Sequence[tuple[Kind, PageKey, int, object]]) -> None:
+        """Write (kind, key, depth, payload) entries in one transaction: all or nothing."""
+        created = time.time_ns()
+        added = 0
+        try:
+            with self.env.begin(write=True) as txn:
+                for kind, key, depth, payload in entries:
+                    view = memoryview(payload).cast("B")  # type: ignore[arg-type]
+                    dkey = _db_key(kind, key)
+                    header = _HEADER.pack(_MAGIC, kind, _VERSION, depth, view.nbytes,
+                                          _checksum(kind, key, depth, view), created)
+                    if not txn.put(dkey, header, db=self.meta_db, overwrite=False):
+                        continue  # already on disk
+                    txn.put(dkey, view, db=self.data_db)
+                    added += view.nbytes
+        except lmdb.MapFullError as error:
+            raise DiskFull(f"LMDB map of {self.config.map_size} bytes is full") from error
+        self.used_bytes += added
+
+    def delete(self, entries: Sequence[tuple[Kind, PageKey]]) -> None:
+        self._delete([_db_key(kind, key) for kind, key in entries])
+
+    def _delete(self, dkeys: Sequence[bytes]) -> None:
+        removed = 0
+        with self.env.begin(write=True) as txn:
+            for dkey in dkeys:
+                payload = txn.get(dkey, db=self.data_db)
+                if payload is not None:
+                    removed += len(payload)
+                    txn.delete(dkey, db=self.data_db)
+                txn.delete(dkey, db=self.meta_db)
+        self.used_bytes -= removed
+
+    @contextmanager
+    def reader(self) -> Iterator[DiskReader]:
+        with self.env.begin(buffers=True) as txn:
+            yield DiskReader(txn, self)
+
+    def scan(self) -> list[DiskRecord]:
+        """Every entry whose header is sound, oldest first; damaged headers are dropped."""
+        records: list[DiskRecord] = []
+        damaged: list[bytes] = []
+        with self.env.begin() as txn:
+            for dkey, header in txn.cursor(db=self.meta_db):
+                kind = Kind(dkey[0]) if len(dkey) == 17 and dkey[0] in (Kind.PAGE, Kind.CHECKPOINT) else None
+                parsed = None if kind is None else _parse(kind, dkey[1:], header)
+                if kind is None or parsed is None:
+                    self.checksum_failures += 1
+                    damaged.append(dkey)
+                    continue
+                depth, nbytes, _, created = parsed
+                records.append(DiskRecord(kind, PageKey(dkey[1:]), depth, nbytes, created))
+        if damaged:
+            self._delete(damaged)
+        self.used_bytes = sum(r.nbytes for r in records)
+        records.sort(key=lambda r: r.created_ns)
+        return records
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def as_array(view: memoryview) -> np.ndarray:
+    """A read-only uint8 array over a disk view (no copy)."""
+    return np.frombuffer(view, dtype=np.uint8)
