@@ -1,0 +1,231 @@
+import threading
+
+import numpy as np
+import pytest
+
+from tiercache.engine import Engine, EngineConfig
+from tiercache.errors import InvalidArgument, ResourceExhausted
+from tiercache.index import StopReason, Tier
+from tiercache.layout import Layout
+from tiercache.tiers.disk import DiskConfig
+from tiercache.tiers.host import HostConfig
+from tests.tiercache.helpers import (hybrid_layout, page_bytes, prompt_keys, random_buffers, same,
+                                     slot_bytes)
+from tests.tiercache.tiers.test_disk import flip_byte
+
+LAYOUT = hybrid_layout(page_rows=1100, slot_rows=24)
+
+
+def open_engine(tmp_path=None, host_bytes=1 << 28, disk_bytes=1 << 28):
+    disk = DiskConfig(str(tmp_path), map_size=disk_bytes) if tmp_path else None
+    return Engine.open(EngineConfig(host=HostConfig(budget_bytes=host_bytes, pin=False), disk=disk))
+
+
+def store_prompts(engine, worker, count=20, pages=50):
+    """Store `count` prompts of `pages` pages, each from shuffled rows, with a checkpoint at
+    its end from slot n; returns [(keys, source rows, source slot)]."""
+    rows = np.random.default_rng(1).permutation(LAYOUT.page_rows)[:count * pages].reshape(count, pages)
+    prompts = []
+    for n in range(count):
+        keys = prompt_keys(LAYOUT, seed=n, pages=pages)
+        engine.store_pages(worker, keys, rows[n])
+        engine.store_checkpoint(worker, keys, slot=n)
+        prompts.append((keys, rows[n], n))
+    return prompts
+
+
+def check_round_trip(engine, prompts, source, expect_tier):
+    other = random_buffers(LAYOUT, seed=99)  # another worker: other rows and slots
+    dest_rows = np.random.default_rng(2).permutation(LAYOUT.page_rows)
+    for n, (keys, src_rows, src_slot) in enumerate(prompts):
+        dst = dest_rows[n * 50:(n + 1) * 50]
+        result = engine.load(other, keys, dst, slot=23 - n)
+        assert result.match.pages == 50 and result.match.stop == StopReason.END_OF_PROMPT
+        assert set(result.bytes_from) == {expect_tier}
+        assert same(page_bytes(other, dst), page_bytes(source, src_rows))
+        assert same(slot_bytes(other, 23 - n), slot_bytes(source, src_slot))
+
+
+def test_round_trip_of_1000_pages_and_20_checkpoints_through_the_host():
+    engine = open_engine()
+    source = random_buffers(LAYOUT, seed=1)
+    prompts = store_prompts(engine, source)
+    assert engine.stats().tiers[0].entries == 1020
+    check_round_trip(engine, prompts, source, Tier.HOST)
+
+
+def test_round_trip_of_1000_pages_and_20_checkpoints_through_the_disk(tmp_path):
+    engine = open_engine(tmp_path)
+    source = random_buffers(LAYOUT, seed=1)
+    prompts = store_prompts(engine, source)
+    engine.close()  # flushes the host tier to LMDB
+    engine = open_engine(tmp_path)  # a new process would see the same: an empty host, a full disk
+    assert engine.stats().tiers[0].entries == 0 and engine.stats().tiers[1].entries == 1020
+    check_round_trip(engine, prompts, source, Tier.DISK)
+    # every disk hit was promoted: the same loads now come from the host
+    check_round_trip(engine, prompts, source, Tier.HOST)
+    engine.close()
+
+
+def test_a_full_host_moves_its_coldest_entries_to_disk(tmp_path):
+    # the host holds about 100 pages; 20 prompts of 50 pages pass through it
+    engine = open_engine(tmp_path, host_bytes=100 * LAYOUT.page_bytes + 4 * LAYOUT.checkpoint_bytes)
+    source = random_buffers(LAYOUT, seed=1)
+    prompts = store_prompts(engine, source)
+    host, disk = engine.stats().tiers
+    assert host.used_bytes <= host.budget_bytes
+    assert disk.entries + host.entries >= 1020 and engine.stats().counters["demoted"] > 900
+    # the oldest prompt lives on disk now, and still loads exactly
+    check_round_trip(engine, prompts[:1], source, Tier.DISK)
+    engine.close()
+
+
+def test_tiny_budgets_evict_leaves_first_and_keep_prefixes_matchable(tmp_path):
+    layout = Layout(16, paged=LAYOUT.paged)  # attention only, so every page prefix is a hit
+    engine = open_engine(None, host_bytes=10 * layout.page_bytes)
+    worker = random_buffers(layout, seed=3)
+    first = prompt_keys(layout, seed=1, pages=10)
+    engine.store_pages(worker, first, range(10))
+    # a second prompt of 4 pages needs room: the 4 deepest pages of the first go
+    second = prompt_keys(layout, seed=2, pages=4)
+    engine.store_pages(worker, second, range(10, 14))
+    assert engine.match(layout, first).pages == 6
+    assert engine.match(layout, second).pages == 4
+    assert engine.stats().counters["evicted_host"] == 4
+
+
+def test_an_entry_larger_than_the_host_budget_is_refused_clearly():
+    assert LAYOUT.page_bytes > LAYOUT.checkpoint_bytes
+    engine = open_engine(None, host_bytes=LAYOUT.checkpoint_bytes)
+    worker = random_buffers(LAYOUT, seed=3)
+    keys = prompt_keys(LAYOUT, 1, 2)
+    assert engine.store_checkpoint(worker, keys, slot=0).stored == 1  # a checkpoint fits
+    with pytest.raises(ResourceExhausted, match="host budget"):
+        engine.store_pages(worker, keys, [0, 1])  # a KV page never will
+
+
+def test_restart_on_the_same_directory_still_hits(tmp_path):
+    engine = open_engine(tmp_path)
+    source = random_buffers(LAYOUT, seed=1)
+    prompts = store_prompts(engine, source, count=3, pages=10)
+    engine.close()
+    engine = open_engine(tmp_path)
+    for keys, _, _ in prompts:
+        match = engine.match(LAYOUT, keys)
+        assert match.pages == 10 and set(match.page_tiers) == {Tier.DISK}
+    engine.close()
+
+
+def test_a_flipped_byte_in_lmdb_is_a_miss_never_served(tmp_path):
+    engine = open_engine(tmp_path)
+    source = random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=5, pages=8)
+    engine.store_pages(source, keys, range(8))
+    engine.store_checkpoint(source, keys[:4], slot=1)
+    engine.store_checkpoint(source, keys, slot=2)
+    engine.close()
+    # bit rot inside page 6's value
+    flip_byte(str(tmp_path), 0, keys[5], 100)
+    engine = open_engine(tmp_path)
+    assert engine.match(LAYOUT, keys).pages == 8  # the index cannot know yet
+    other = random_buffers(LAYOUT, seed=9)
+    result = engine.load(other, keys, range(100, 108), slot=5)
+    # the load dropped page 6 and fell back to the checkpoint at page 4, whole and exact
+    assert result.match.pages == 4 and result.damaged == 1
+    assert same(page_bytes(other, range(100, 104)), page_bytes(source, range(4)))
+    assert same(slot_bytes(other, 5), slot_bytes(source, 1))
+    assert engine.stats().counters["checksum_failures"] == 1
+    assert engine.match(LAYOUT, keys).pages == 4  # and it stays a miss
+    engine.close()
+
+
+def test_a_store_that_fails_mid_copy_leaves_nothing_visible(monkeypatch):
+    engine = open_engine()
+    worker = random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=1, pages=5)
+
+    def broken(*args):
+        raise OSError("copy failed")
+    monkeypatch.setattr(engine.transfer, "gather", broken)
+    with pytest.raises(OSError):
+        engine.store_pages(worker, keys, range(5))
+    assert engine.match(Layout(16, paged=LAYOUT.paged), keys).pages == 0
+    assert engine.stats().tiers[0].used_bytes == 0
+    monkeypatch.undo()
+    assert engine.store_pages(worker, keys, range(5)).stored == 5  # nothing stays claimed
+
+
+def test_entries_a_load_reads_are_not_evicted_under_it():
+    layout = Layout(16, paged=LAYOUT.paged)
+    engine = open_engine(None, host_bytes=8 * layout.page_bytes)
+    worker = random_buffers(layout, seed=1)
+    keys = prompt_keys(layout, seed=1, pages=8)
+    engine.store_pages(worker, keys, range(8))
+    expected = page_bytes(worker, range(8))
+    reading, release = threading.Event(), threading.Event()
+    scatter = engine.transfer.scatter
+
+    def slow_scatter(*args):
+        reading.set()
+        release.wait(10)
+        scatter(*args)
+    engine.transfer.scatter = slow_scatter
+    other = random_buffers(layout, seed=2)
+    loader = threading.Thread(target=engine.load, args=(other, keys, range(20, 28)))
+    loader.start()
+    assert reading.wait(10)
+    # the host is full of pinned entries: a new store finds no room and says so
+    with pytest.raises(ResourceExhausted):
+        engine.store_pages(worker, prompt_keys(layout, seed=2, pages=2), range(8, 10))
+    release.set()
+    loader.join()
+    assert same(page_bytes(other, range(20, 28)), expected)
+    engine.transfer.scatter = scatter
+    assert engine.store_pages(worker, prompt_keys(layout, seed=2, pages=2), range(8, 10)).stored == 2
+
+
+def test_load_stops_at_the_rows_given_and_needs_a_checkpoint_there():
+    engine = open_engine()
+    worker = random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=1, pages=6)
+    engine.store_pages(worker, keys, range(6))
+    engine.store_checkpoint(worker, keys[:3], slot=0)
+    engine.store_checkpoint(worker, keys, slot=1)
+    other = random_buffers(LAYOUT, seed=2)
+    # room for five pages only: the checkpoint at 6 is out of reach, the one at 3 is used
+    result = engine.load(other, keys, range(10, 15), slot=4)
+    assert result.match.pages == 3 and result.match.tokens == 48
+    assert same(slot_bytes(other, 4), slot_bytes(worker, 0))
+
+
+def test_explicit_evict_drops_entries_from_every_tier(tmp_path):
+    engine = open_engine(tmp_path)
+    worker = random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=1, pages=4)
+    engine.store_pages(worker, keys, range(4))
+    engine.store_checkpoint(worker, keys, slot=0)
+    engine.flush()
+    assert engine.evict(keys[2:]) == 3  # pages 3, 4 and the checkpoint at 4
+    assert engine.match(Layout(16, paged=LAYOUT.paged), keys).pages == 2
+    assert engine.evict() == 2
+    assert [t.entries for t in engine.stats().tiers] == [0, 0]
+    engine.close()
+    assert len(open_engine(tmp_path).index) == 0
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda e, w, k: e.store_pages(w, k, [0, 1]), "3 page keys but 2 kv rows"),
+    (lambda e, w, k: e.store_pages(w, k, [0, 1, 5000]), "5000 is out of range"),
+    (lambda e, w, k: e.store_checkpoint(w, k, 99), "state slot 99"),
+    (lambda e, w, k: e.store_checkpoint(w, [], 0), "page keys"),
+    (lambda e, w, k: e.load(w, k, [1, 1, 2], 0), "repeat a row"),
+    (lambda e, w, k: e.load(w, k, [1, 2, 3]), "state slot"),
+    (lambda e, w, k: e.load(w, k, [-1], 0), "out of range"),
+])
+def test_bad_input_is_refused_and_changes_nothing(call, message):
+    engine = open_engine()
+    worker = random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=1, pages=3)
+    with pytest.raises(InvalidArgument, match=message):
+        call(engine, worker, keys)
+    assert len(engine.index) == 0 and engine.stats().tiers[0].used_bytes == 0

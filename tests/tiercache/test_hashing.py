@@ -1,0 +1,77 @@
+import numpy as np
+import pytest
+import torch
+
+from tiercache.errors import InvalidArgument
+from tiercache.hashing import KEY_BYTES, Namespace, page_keys, token_array
+
+ROOT = Namespace("model", "layout-fp").root()
+
+
+def test_same_keys_for_list_numpy_and_tensor_of_any_integer_dtype():
+    tokens = list(range(1000, 1000 + 64))
+    expected = page_keys(tokens, ROOT, 16)
+    assert len(expected) == 4 and all(len(k) == KEY_BYTES for k in expected)
+    for variant in (np.array(tokens, np.int32), np.array(tokens, np.uint32), np.array(tokens, np.int64),
+                    np.array(tokens, np.uint64), torch.tensor(tokens, dtype=torch.int32),
+                    torch.tensor(tokens, dtype=torch.int64), tuple(tokens)):
+        assert page_keys(variant, ROOT, 16) == expected
+
+
+def test_changing_one_token_changes_its_page_and_every_later_key():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 150_000, 16 * 8)
+    base = page_keys(tokens, ROOT, 16)
+    for position in rng.choice(len(tokens), 10, replace=False):
+        changed = tokens.copy()
+        changed[position] += 1
+        keys = page_keys(changed, ROOT, 16)
+        page = position // 16
+        assert keys[:page] == base[:page]  # earlier pages keep their keys
+        assert all(a != b for a, b in zip(keys[page:], base[page:]))  # this page on all differ
+
+
+def test_keys_differ_across_namespaces():
+    tokens = list(range(32))
+    roots = [Namespace("model", "fp").root(), Namespace("other-model", "fp").root(),
+             Namespace("model", "fp2").root(), Namespace("model", "fp", tenant="t1").root(),
+             Namespace("model", "fp", extra=("lora-7",)).root(),
+             Namespace("model", "fp", hash_name="blake2b_128").root()]
+    assert len(set(roots)) == len(roots)
+    first_keys = {page_keys(tokens, root, 16)[0] for root in roots}
+    assert len(first_keys) == len(roots)
+
+
+def test_namespace_fields_cannot_run_into_each_other():
+    # ("ab", "c") and ("a", "bc") must not give the same root
+    assert Namespace("ab", "c").root() != Namespace("a", "bc").root()
+
+
+def test_only_full_pages_get_keys():
+    assert page_keys(list(range(47)), ROOT, 16) == page_keys(list(range(32)), ROOT, 16)
+    assert len(page_keys(list(range(47)), ROOT, 16)) == 2
+    assert page_keys(list(range(15)), ROOT, 16) == []
+    assert page_keys([], ROOT, 16) == []
+
+
+def test_blake2b_keys_follow_the_same_rules():
+    root = Namespace("m", "fp", hash_name="blake2b_128").root()
+    keys = page_keys(list(range(48)), root, 16, "blake2b_128")
+    assert len(keys) == 3 and keys != page_keys(list(range(48)), root, 16)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([-1, 2], r"2\*\*32"), ([2**32], r"2\*\*32"), (np.zeros((2, 16), np.int64), "one-dimensional"),
+    (np.array([1.5, 2.0]), "integers")])
+def test_bad_tokens_are_refused_with_a_reason(bad, message):
+    with pytest.raises(InvalidArgument, match=message):
+        token_array(bad)
+
+
+def test_bad_namespace_and_page_size():
+    with pytest.raises(InvalidArgument, match="model_id"):
+        Namespace("", "fp")
+    with pytest.raises(InvalidArgument, match="hash_name"):
+        Namespace("m", "fp", hash_name="md5")
+    with pytest.raises(InvalidArgument, match="page_tokens"):
+        page_keys([1, 2], ROOT, 0)

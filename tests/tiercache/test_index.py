@@ -1,0 +1,108 @@
+import numpy as np
+import pytest
+
+from tiercache.hashing import Namespace, page_keys
+from tiercache.index import Index, Kind, StopReason, Tier
+
+KEYS = page_keys(list(range(16 * 6)), Namespace("m", "fp").root(), 16)  # six pages k1..k6
+
+
+def stored(pages=(), checkpoints=(), tier=Tier.HOST):
+    """An index holding pages k_n for n in `pages` and checkpoints at k_n for n in `checkpoints`."""
+    index = Index(capacity=2)  # tiny, so the table has to grow
+    for slot, n in enumerate(pages):
+        index.publish(Kind.PAGE, KEYS[n - 1], n, 100, tier, slot=slot)
+    for slot, n in enumerate(checkpoints):
+        index.publish(Kind.CHECKPOINT, KEYS[n - 1], n, 999, tier, slot=100 + slot)
+    return index
+
+
+def hybrid_match(index, keys=KEYS):
+    return index.match(keys, 16, needs_pages=True, needs_checkpoint=True).match
+
+
+def test_empty_cache_misses_at_the_first_page():
+    match = hybrid_match(Index())
+    assert (match.pages, match.tokens, match.prompt_pages) == (0, 0, 6)
+    assert match.stop == StopReason.MISSING_PAGE and match.checkpoint_tier is None
+
+
+def test_kv_without_a_checkpoint_is_no_hit_for_a_hybrid_layout():
+    # all six KV pages are cached, but no recurrent state anywhere
+    match = hybrid_match(stored(pages=range(1, 7)))
+    assert match.pages == 0 and match.stop == StopReason.NO_CHECKPOINT
+    assert match.page_tiers == ()  # no half hit: no KV pages reported without a state
+
+
+def test_checkpoint_with_a_kv_page_missing_in_the_middle():
+    # pages 1, 2, 4, 5, 6 cached (3 missing), checkpoints at 2 and 5
+    match = hybrid_match(stored(pages=[1, 2, 4, 5, 6], checkpoints=[2, 5]))
+    # the KV walk stops at page 3; the checkpoint at 5 is unreachable, the one at 2 is used
+    assert match.pages == 2 and match.tokens == 32
+    assert match.stop == StopReason.MISSING_PAGE
+    assert match.page_tiers == (Tier.HOST, Tier.HOST) and match.checkpoint_tier == Tier.HOST
+
+
+def test_checkpoint_beyond_the_kv():
+    # pages 1..3 cached, checkpoints at 1 and 5
+    match = hybrid_match(stored(pages=[1, 2, 3], checkpoints=[1, 5]))
+    # pages go on to 3 but the only checkpoint at or before 3 is at 1
+    assert match.pages == 1 and match.stop == StopReason.NO_CHECKPOINT
+
+
+def test_full_hybrid_hit_ends_at_the_end_of_the_prompt():
+    match = hybrid_match(stored(pages=range(1, 7), checkpoints=[3, 6]))
+    assert match.pages == 6 and match.stop == StopReason.END_OF_PROMPT
+
+
+def test_attention_only_layout_needs_no_checkpoint():
+    index = stored(pages=[1, 2, 3, 5])
+    match = index.match(KEYS, 16, needs_pages=True, needs_checkpoint=False).match
+    # pages 1..3 hit, page 4 is missing
+    assert match.pages == 3 and match.stop == StopReason.MISSING_PAGE and match.checkpoint_tier is None
+
+
+def test_ssm_only_layout_takes_the_deepest_checkpoint():
+    index = stored(checkpoints=[2, 4])
+    match = index.match(KEYS, 16, needs_pages=False, needs_checkpoint=True).match
+    # no KV pages needed: the state at page 4 is the hit, page_tiers stay empty
+    assert match.pages == 4 and match.page_tiers == () and match.checkpoint_tier == Tier.HOST
+    assert match.stop == StopReason.NO_CHECKPOINT
+    full = index.match(KEYS[:4], 16, needs_pages=False, needs_checkpoint=True).match
+    assert full.pages == 4 and full.stop == StopReason.END_OF_PROMPT
+
+
+def test_best_tier_is_reported_per_page():
+    index = stored(pages=[1, 2], checkpoints=[2], tier=Tier.DISK)
+    index.publish(Kind.PAGE, KEYS[0], 1, 100, Tier.HOST, slot=7)  # page 1 also in host
+    match = hybrid_match(index, KEYS[:2])
+    assert match.page_tiers == (Tier.HOST, Tier.DISK) and match.checkpoint_tier == Tier.DISK
+
+
+def test_unpublish_removes_an_entry_left_in_no_tier():
+    index = stored(pages=[1], tier=Tier.HOST)
+    row = index.row(Kind.PAGE, KEYS[0])
+    index.publish(Kind.PAGE, KEYS[0], 1, 100, Tier.DISK)
+    index.unpublish(row, Tier.HOST)
+    assert index.tiers(row) == Tier.DISK and index.count[Tier.HOST] == 0
+    index.unpublish(row, Tier.DISK)
+    assert index.row(Kind.PAGE, KEYS[0]) is None and len(index) == 0
+
+
+def test_pinned_rows_are_not_eviction_candidates_and_cannot_be_unpublished():
+    index = stored(pages=[1, 2, 3])
+    rows = np.array([index.row(Kind.PAGE, KEYS[0]), index.row(Kind.PAGE, KEYS[1])])
+    index.pin(rows)
+    assert list(index.candidates(Tier.HOST).rows) == [index.row(Kind.PAGE, KEYS[2])]
+    with pytest.raises(AssertionError, match="pinned"):
+        index.unpublish(int(rows[0]), Tier.HOST)
+    index.unpin(rows)
+    assert len(index.candidates(Tier.HOST).rows) == 3
+
+
+def test_publishing_twice_in_a_tier_or_with_another_size_is_a_bug():
+    index = stored(pages=[1])
+    with pytest.raises(ValueError, match="already published"):
+        index.publish(Kind.PAGE, KEYS[0], 1, 100, Tier.HOST, slot=3)
+    with pytest.raises(ValueError, match="bytes"):
+        index.publish(Kind.PAGE, KEYS[0], 1, 101, Tier.DISK)
