@@ -12,6 +12,7 @@ or out of pinned entries.
 from __future__ import annotations
 
 import threading
+from itertools import groupby
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -112,12 +113,15 @@ class Engine:
         return engine
 
     def _rebuild(self, disk: DiskTier) -> None:
+        """Index what the disk holds, oldest first, one stamp per original write."""
+        batches = groupby(disk.scan(), key=lambda r: (r.created_ns, r.kind, r.nbytes))
         created = None
-        for record in disk.scan():  # oldest first: one stamp per original store
-            if record.created_ns != created:
-                created = record.created_ns
+        for (when, kind, nbytes), records in batches:
+            if when != created:
+                created = when
                 self.index.tick()
-            self.index.publish(record.kind, record.key, record.depth, record.nbytes, Tier.DISK)
+            batch = list(records)
+            self.index.publish(kind, [r.key for r in batch], [r.depth for r in batch], nbytes, Tier.DISK)
 
     def flush(self) -> int:
         """Write every host entry that is not on disk yet to disk (they stay in the host).
@@ -173,7 +177,7 @@ class Engine:
         try:
             while stored < len(todo):  # in batches: each one may push the last out to disk
                 with self._lock:
-                    slots = self._reserve(Tier.HOST, group.nbytes, len(todo) - stored)
+                    slots = self._reserve(group.nbytes, len(todo) - stored)
                 if not slots:
                     break
                 batch = todo[stored:stored + len(slots)]  # shallow pages first
@@ -184,9 +188,8 @@ class Engine:
                         self.host.free(group.nbytes, slots)
                     raise
                 with self._lock:
-                    for i, slot in zip(batch, slots):
-                        self.index.publish(group.kind, keys[i], depths[i], group.nbytes, Tier.HOST,
-                                           slot=slot, stamp=stamp)
+                    self.index.publish(group.kind, [keys[i] for i in batch], [depths[i] for i in batch],
+                                       group.nbytes, Tier.HOST, slots, stamp)
                 stored += len(batch)
         finally:
             with self._lock:
@@ -254,10 +257,11 @@ class Engine:
 
     def _deliver(self, hit: Hit, moves: list[tuple[_Group, np.ndarray, np.ndarray]]
                  ) -> tuple[dict[Tier, int], int]:
-        """Copy pinned entries into worker rows; unpins them. Returns (bytes per tier, damaged)."""
+        """Copy pinned entries into worker rows, then unpin them and publish the disk hits
+        promoted to the host. Returns (bytes per tier, damaged entries)."""
         bytes_from: dict[Tier, int] = {}
         damaged: list[int] = []
-        promoted: list[tuple[int, int, int]] = []  # (row, slot, nbytes) to publish in the host
+        promoted: list[tuple[np.ndarray, list[int], int]] = []  # (rows, host slots, nbytes)
         try:
             for group, entry_rows, dst in moves:
                 if len(entry_rows):
@@ -265,27 +269,26 @@ class Engine:
         finally:
             with self._lock:
                 self.index.unpin(hit.rows)
-                for row, slot, nbytes in promoted:
+                for rows, slots, nbytes in promoted:
                     if damaged:
-                        self.host.free(nbytes, [slot])
+                        self.host.free(nbytes, slots)
                     else:
-                        self.index.publish(self.index.kind(row), self.index.key(row),
-                                           self.index.depth(row), nbytes, Tier.HOST, slot=slot)
-                self.counters["promoted"] += 0 if damaged else len(promoted)
-                self._drop(damaged)
+                        self.index.add_tier(rows, Tier.HOST, slots)
+                        self.counters["promoted"] += len(rows)
+                self._drop(np.asarray(damaged, np.int64))
         return bytes_from, len(damaged)
 
     def _deliver_group(self, group: _Group, entry_rows: np.ndarray, dst: np.ndarray,
                        bytes_from: dict[Tier, int], damaged: list[int],
-                       promoted: list[tuple[int, int, int]]) -> None:
+                       promoted: list[tuple[np.ndarray, list[int], int]]) -> None:
         """Copy one kind of pinned entries into worker rows; disk entries go through the
         host (promoted into new host slots, or a staging buffer when the host is full)."""
-        index, nbytes = self.index, group.nbytes
+        nbytes = group.nbytes
         with self._lock:
-            slots = np.array([index.slot(int(r), Tier.HOST) if index.tiers(int(r)) & Tier.HOST
-                              else -1 for r in entry_rows], np.int64)
-            from_disk = np.flatnonzero(slots < 0)
-            promo = self._reserve(Tier.HOST, nbytes, len(from_disk)) if len(from_disk) else []
+            in_host = self.index.in_tier(entry_rows, Tier.HOST)
+            slots = np.where(in_host, self.index.slots(entry_rows, Tier.HOST), -1)
+            from_disk = np.flatnonzero(~in_host)
+            promo = self._reserve(nbytes, len(from_disk)) if len(from_disk) else []
         pool = self.host.pool(nbytes)
         staging = torch.empty((len(from_disk) - len(promo), nbytes), dtype=torch.uint8)
         if len(from_disk):
@@ -297,10 +300,10 @@ class Engine:
                     self.host.free(nbytes, promo)
                 return
             slots[from_disk[:len(promo)]] = promo
-            promoted.extend((int(entry_rows[p]), s, nbytes) for p, s in zip(from_disk, promo))
-        in_host = np.flatnonzero(slots >= 0)
-        for part in pool.parts(slots[in_host]):
-            self.transfer.scatter(SlabPart(part.slab, part.local, in_host[part.positions]),
+            promoted.append((entry_rows[from_disk[:len(promo)]], promo, nbytes))
+        in_host_at = np.flatnonzero(slots >= 0)
+        for part in pool.parts(slots[in_host_at]):
+            self.transfer.scatter(SlabPart(part.slab, part.local, in_host_at[part.positions]),
                                   group.buffers, group.offsets, dst)
         staged = from_disk[len(promo):]
         if len(staged):
@@ -315,18 +318,17 @@ class Engine:
         assert self.disk is not None, "an entry in no memory tier must be on disk"
         damaged = []
         with self.disk.reader() as reader:
-            for row, target in zip(rows, targets):
-                view = reader.get(kind, self.index.key(int(row)))
+            for row, key, target in zip(rows.tolist(), self.index.keys(rows), targets):
+                view = reader.get(kind, key)
                 if view is None:
-                    damaged.append(int(row))
+                    damaged.append(row)
                 else:
                     target.numpy()[:] = as_array(view)
         return damaged
 
     # -- room and eviction ----------------------------------------------------------------
-    def _reserve(self, tier: Tier, nbytes: int, count: int) -> list[int]:
+    def _reserve(self, nbytes: int, count: int) -> list[int]:
         """Up to `count` host slots of `nbytes`, evicting (and demoting) cold entries for room."""
-        assert tier == Tier.HOST
         slots = self.host.alloc(nbytes, count)
         while len(slots) < count and self.host.fits(nbytes):
             want = max((count - len(slots)) * nbytes, int(self.host.budget_bytes * self.config.evict_slack))
@@ -336,7 +338,8 @@ class Engine:
         return slots
 
     def _evict(self, tier: Tier, want_bytes: int, nbytes: int | None = None) -> int:
-        """Free about `want_bytes` of `tier`, coldest first; host entries move to disk first."""
+        """Free about `want_bytes` of `tier`, coldest first; host entries move to disk first.
+        Prefers entries of `nbytes` (their slots are what the caller needs)."""
         candidates = self.index.candidates(tier, nbytes)
         if nbytes is not None and not len(candidates.rows):
             candidates = self.index.candidates(tier)  # other sizes: their slabs may empty
@@ -345,80 +348,83 @@ class Engine:
         victims = candidates.rows[order][:int(np.searchsorted(sizes, want_bytes)) + 1]
         if not len(victims):
             return 0
-        if tier == Tier.HOST:
-            if self.disk is not None:
-                self._demote(victims)
-            for row in victims:
-                slot, size = self.index.slot(int(row), Tier.HOST), self.index.nbytes(int(row))
-                self.index.unpublish(int(row), Tier.HOST)
-                self.host.free(size, [slot])
-            self.counters["evicted_host"] += len(victims)
-        else:
-            assert self.disk is not None
-            self.disk.delete([(self.index.kind(int(r)), self.index.key(int(r))) for r in victims])
-            for row in victims:
-                self.index.unpublish(int(row), Tier.DISK)
-            self.counters["evicted_disk"] += len(victims)
+        if tier == Tier.HOST and self.disk is not None:
+            self._demote(victims)
+        self._remove(victims, tier)
+        self.counters["evicted_" + tier.name.lower()] += len(victims)
         return int(sizes[len(victims) - 1])
+
+    def _remove(self, rows: np.ndarray, tier: Tier) -> None:
+        """Take unpinned entries out of one tier and give back their room."""
+        if tier == Tier.HOST:
+            slots, sizes = self.index.slots(rows, Tier.HOST), self.index.column("nbytes", rows)
+            for size in np.unique(sizes).tolist():
+                self.host.free(size, slots[sizes == size].tolist())
+        elif tier == Tier.DISK:
+            assert self.disk is not None
+            kinds = self.index.column("kind", rows).tolist()
+            self.disk.delete([(Kind(k), key) for k, key in zip(kinds, self.index.keys(rows))])
+        self.index.unpublish(rows, tier)
 
     def _demote(self, rows: np.ndarray) -> int:
         """Write host entries to disk (those not there yet) in one transaction; returns how
         many were written (0 when they cannot fit the disk tier)."""
         assert self.disk is not None
         index = self.index
-        rows = np.array([r for r in rows if not index.tiers(int(r)) & Tier.DISK], np.int64)
-        total = int(sum(index.nbytes(int(r)) for r in rows))
+        rows = rows[~index.in_tier(rows, Tier.DISK)]
+        sizes = index.column("nbytes", rows)
+        total = int(sizes.sum())
         if not len(rows) or total > self.disk.budget_bytes:
             return 0
-        entries = [(index.kind(int(r)), index.key(int(r)), index.depth(int(r)),
-                    self.host.pool(index.nbytes(int(r))).view(index.slot(int(r), Tier.HOST)).numpy())
-                   for r in rows]
+        slots = index.slots(rows, Tier.HOST)
+        entries = [(Kind(kind), key, depth, self.host.pool(size).view(slot).numpy())
+                   for kind, key, depth, size, slot in zip(
+                       index.column("kind", rows).tolist(), index.keys(rows),
+                       index.column("depth", rows).tolist(), sizes.tolist(), slots.tolist())]
         index.pin(rows)  # not candidates for the disk evictions below
         try:
-            over = self.disk.used_bytes + total - self.disk.budget_bytes
-            if over > 0:
-                self._evict(Tier.DISK, over)
-            for _ in range(_LOAD_ATTEMPTS):
-                try:
-                    self.disk.write(entries)
-                    break
-                except DiskFull:  # LMDB overhead beyond the budget: make more room, retry
-                    if not self._evict(Tier.DISK, max(total, self.disk.budget_bytes // 10)):
-                        return 0
-            else:
-                return 0
+            written = self._write_disk(entries, total)
         finally:
             index.unpin(rows)
-        for row in rows:
-            index.publish(index.kind(int(row)), index.key(int(row)), index.depth(int(row)),
-                          index.nbytes(int(row)), Tier.DISK, stamp=None)
-        self.counters["demoted"] += len(rows)
-        return len(rows)
+        if written:
+            index.add_tier(rows, Tier.DISK)
+            self.counters["demoted"] += len(rows)
+        return len(rows) if written else 0
 
-    def _drop(self, rows: list[int]) -> None:
-        """Remove entries from every tier they are in (a load still reading one finds out
-        for itself and drops it when it ends)."""
-        for row in rows:
-            if self.index.pinned(row):
-                continue
-            tiers = self.index.tiers(row)
-            if tiers & Tier.DISK and self.disk is not None:
-                self.disk.delete([(self.index.kind(row), self.index.key(row))])
-            if tiers & Tier.HOST:
-                self.host.free(self.index.nbytes(row), [self.index.slot(row, Tier.HOST)])
-            for tier in (Tier.HOST, Tier.DISK):
-                if tiers & tier:
-                    self.index.unpublish(row, tier)
+    def _write_disk(self, entries: list, total: int) -> bool:
+        """Make room for `total` bytes on disk and write the entries in one transaction."""
+        assert self.disk is not None
+        over = self.disk.used_bytes + total - self.disk.budget_bytes
+        if over > 0:
+            self._evict(Tier.DISK, over)
+        for _ in range(_LOAD_ATTEMPTS):
+            try:
+                self.disk.write(entries)
+                return True
+            except DiskFull:  # LMDB's own overhead beyond the budget: make more room, retry
+                if not self._evict(Tier.DISK, max(total, self.disk.budget_bytes // 10)):
+                    return False
+        return False
+
+    def _drop(self, rows: np.ndarray) -> None:
+        """Remove entries from every tier they are in. One a load is still reading stays:
+        that load finds out for itself and drops it when it ends."""
+        rows = rows[self.index.column("pins", rows) == 0]
+        for tier in (Tier.HOST, Tier.DISK):
+            inside = rows[self.index.in_tier(rows, tier)]
+            if len(inside):
+                self._remove(inside, tier)
 
     def evict(self, keys: Sequence[PageKey] | None = None) -> int:
         """Drop the pages and checkpoints named by `keys` (all entries if None) from every
         tier; entries a load is reading stay. Returns how many entries were dropped."""
         with self._lock:
             if keys is None:
-                rows = [int(r) for t in (Tier.HOST, Tier.DISK) for r in self.index.rows_in(t)]
+                rows = np.union1d(self.index.rows_in(Tier.HOST), self.index.rows_in(Tier.DISK))
             else:
-                rows = [r for kind in Kind for r in self.index.rows_of(kind, keys) if r is not None]
-            rows = [r for r in dict.fromkeys(rows) if not self.index.pinned(r)]
+                found = [r for kind in Kind for r in self.index.rows_of(kind, keys) if r is not None]
+                rows = np.unique(np.asarray(found, np.int64))
+            rows = rows[self.index.column("pins", rows) == 0]
             self._drop(rows)
             return len(rows)
 

@@ -8,8 +8,10 @@ uint32, so a list, a numpy array or a torch tensor of any integer dtype give the
 
 from __future__ import annotations
 
+import array as pyarray
 import hashlib
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, NewType
 
@@ -24,6 +26,7 @@ PageKey = NewType("PageKey", bytes)
 KEY_BYTES = 16
 _TOKEN_DTYPE = np.dtype("<u4")
 _ROOT_TAG = b"tiercache/namespace/v1"
+_NATIVE_U4 = pyarray.array("I").itemsize == 4 and sys.byteorder == "little"
 
 
 def _blake2b_128(data: bytes) -> bytes:
@@ -68,18 +71,23 @@ class Namespace:
 
 def token_array(tokens: Any) -> np.ndarray:
     """Token ids as a contiguous little-endian uint32 array, whatever they came in."""
+    if isinstance(tokens, (list, tuple)) and _NATIVE_U4:
+        try:  # three times faster than numpy for a list of Python ints, and range-checked
+            return np.frombuffer(pyarray.array("I", tokens), _TOKEN_DTYPE)
+        except (OverflowError, TypeError):
+            pass  # numpy below says what is wrong
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor
         tokens = tokens.detach().cpu().numpy()
-    array = np.asarray(tokens)
-    if array.size == 0:
+    ids = np.asarray(tokens)
+    if ids.size == 0:
         return np.empty(0, _TOKEN_DTYPE)
-    if array.ndim != 1:
-        raise InvalidArgument(f"tokens must be one-dimensional, got shape {tuple(array.shape)}")
-    if array.dtype.kind not in "iu":
-        raise InvalidArgument(f"tokens must be integers, got dtype {array.dtype}")
-    if int(array.min()) < 0 or int(array.max()) > 0xFFFF_FFFF:
+    if ids.ndim != 1:
+        raise InvalidArgument(f"tokens must be one-dimensional, got shape {tuple(ids.shape)}")
+    if ids.dtype.kind not in "iu":
+        raise InvalidArgument(f"tokens must be integers, got dtype {ids.dtype}")
+    if int(ids.min()) < 0 or int(ids.max()) > 0xFFFF_FFFF:
         raise InvalidArgument("token ids must lie in [0, 2**32): check the tokenizer output")
-    return np.ascontiguousarray(array, dtype=_TOKEN_DTYPE)
+    return np.ascontiguousarray(ids, dtype=_TOKEN_DTYPE)
 
 
 def page_keys(tokens: Any, root: PageKey, page_tokens: int,

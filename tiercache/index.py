@@ -105,10 +105,7 @@ class Index:
         self._keys.extend([None] * (capacity - old))
         self._free.extend(range(capacity - 1, old - 1, -1))  # pop() hands out low rows first
 
-    def _col(self, name: str) -> np.ndarray:
-        return self._cols[name]
-
-    def slot_column(self, tier: Tier) -> np.ndarray:
+    def _slot_column(self, tier: Tier) -> np.ndarray:
         return self._cols[f"slot_{int(tier)}"]
 
     def __len__(self) -> int:
@@ -126,25 +123,20 @@ class Index:
         get = self._rows[kind].get
         return [get(k) for k in keys]
 
-    def key(self, row: int) -> PageKey:
-        key = self._keys[row]
-        assert key is not None, f"row {row} is free"
-        return key
+    def keys(self, rows: Iterable[int]) -> list[PageKey]:
+        found = [self._keys[int(r)] for r in rows]
+        assert all(k is not None for k in found), "a row is free"
+        return found  # type: ignore[return-value]
 
-    def tiers(self, row: int) -> Tier:
-        return Tier(int(self._cols["tiers"][row]))
+    def column(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Values of one column (kind, tiers, pins, depth, nbytes, stamp) at `rows`."""
+        return self._cols[name][rows]
 
-    def kind(self, row: int) -> Kind:
-        return Kind(int(self._cols["kind"][row]))
+    def slots(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
+        return self._slot_column(tier)[rows].astype(np.int64)
 
-    def depth(self, row: int) -> int:
-        return int(self._cols["depth"][row])
-
-    def nbytes(self, row: int) -> int:
-        return int(self._cols["nbytes"][row])
-
-    def slot(self, row: int, tier: Tier) -> int:
-        return int(self.slot_column(tier)[row])
+    def in_tier(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
+        return (self._cols["tiers"][rows] & int(tier)) != 0
 
     def match(self, keys: Sequence[PageKey], page_tokens: int,
               needs_pages: bool, needs_checkpoint: bool) -> Hit:
@@ -186,45 +178,57 @@ class Index:
         return Hit(match, rows, checkpoint_row)
 
     # -- updates ----------------------------------------------------------------------
-    def publish(self, kind: Kind, key: PageKey, depth: int, nbytes: int, tier: Tier,
-                slot: int | None = None, stamp: int | None = None) -> int:
-        """Make `key` visible in `tier`; call only once its bytes are completely there."""
-        rows = self._rows[kind]
-        row = rows.get(key)
-        cols = self._cols
-        if row is None:
-            if not self._free:
-                self._grow(2 * len(self._keys))
-            row = self._free.pop()
-            rows[key] = row
-            self._keys[row] = key
-            cols["kind"][row] = kind
-            cols["tiers"][row] = 0
-            cols["pins"][row] = 0
-            cols["depth"][row] = depth
-            cols["nbytes"][row] = nbytes
-        elif cols["nbytes"][row] != nbytes:
-            raise ValueError(f"entry {key.hex()} is {cols['nbytes'][row]} bytes, not {nbytes}")
-        if cols["tiers"][row] & tier:
-            raise ValueError(f"entry {key.hex()} is already published in {tier.name}")
-        cols["tiers"][row] |= tier
-        if tier in ARENA_TIERS:
-            assert slot is not None, f"{tier.name} entries need a slot"
-            self.slot_column(tier)[row] = slot
-        cols["stamp"][row] = self._clock if stamp is None else stamp
-        self.count[tier] += 1
-        self.bytes[tier] += nbytes
-        return row
+    def publish(self, kind: Kind, keys: Sequence[PageKey], depths: Sequence[int], nbytes: int,
+                tier: Tier, slots: Sequence[int] | None = None, stamp: int | None = None) -> np.ndarray:
+        """Make `keys` visible in `tier`; call only once their bytes are completely there."""
+        kind, bit = int(kind), int(tier)
+        table, cols = self._rows[kind], self._cols
+        rows = np.empty(len(keys), np.int64)
+        new = []
+        for i, key in enumerate(keys):
+            row = table.get(key)
+            if row is None:
+                if not self._free:
+                    self._grow(2 * len(self._keys))
+                row = self._free.pop()
+                table[key] = row
+                self._keys[row] = key
+                new.append(i)
+            rows[i] = row
+        fresh = rows[new]
+        cols["kind"][fresh] = kind
+        cols["tiers"][fresh] = 0
+        cols["pins"][fresh] = 0
+        cols["depth"][fresh] = np.asarray(depths, np.int64)[new]
+        cols["nbytes"][fresh] = nbytes
+        if np.any(cols["nbytes"][rows] != nbytes):
+            raise ValueError(f"an entry among {len(keys)} keys is not {nbytes} bytes")
+        self.add_tier(rows, tier, slots, stamp)
+        return rows
 
-    def unpublish(self, row: int, tier: Tier) -> None:
-        """Remove `tier` from an entry; an entry left in no tier leaves the index."""
-        cols = self._cols
-        assert cols["tiers"][row] & tier, f"row {row} is not in {tier.name}"
-        assert cols["pins"][row] == 0, f"row {row} is pinned by a load"
-        cols["tiers"][row] &= ~np.uint8(tier)
-        self.count[tier] -= 1
-        self.bytes[tier] -= int(cols["nbytes"][row])
-        if cols["tiers"][row] == 0:
+    def add_tier(self, rows: np.ndarray, tier: Tier, slots: Sequence[int] | None = None,
+                 stamp: int | None = None) -> None:
+        """Make entries already in the index visible in one more tier."""
+        bit, cols = int(tier), self._cols
+        if np.any(cols["tiers"][rows] & bit):
+            raise ValueError(f"an entry is already published in {tier.name}")
+        cols["tiers"][rows] |= bit
+        if tier in ARENA_TIERS:
+            assert slots is not None and len(slots) == len(rows), f"{tier.name} entries need slots"
+            self._slot_column(tier)[rows] = slots
+        cols["stamp"][rows] = self._clock if stamp is None else stamp
+        self.count[tier] += len(rows)
+        self.bytes[tier] += int(cols["nbytes"][rows].sum())
+
+    def unpublish(self, rows: np.ndarray, tier: Tier) -> None:
+        """Remove `tier` from entries; an entry left in no tier leaves the index."""
+        bit, cols = int(tier), self._cols
+        assert np.all(cols["tiers"][rows] & bit), f"a row is not in {tier.name}"
+        assert not np.any(cols["pins"][rows]), "a row is pinned by a load"
+        cols["tiers"][rows] &= ~np.uint8(bit)
+        self.count[tier] -= len(rows)
+        self.bytes[tier] -= int(cols["nbytes"][rows].sum())
+        for row in rows[cols["tiers"][rows] == 0].tolist():
             key = self._keys[row]
             assert key is not None
             del self._rows[int(cols["kind"][row])][key]
@@ -243,13 +247,11 @@ class Index:
         assert np.all(pins[rows] > 0), "unpin of a row that is not pinned"
         np.subtract.at(pins, rows, 1)
 
-    def pinned(self, row: int) -> bool:
-        return bool(self._cols["pins"][row])
 
     def candidates(self, tier: Tier, nbytes: int | None = None) -> Candidates:
         """Unpinned rows in `tier` (of one entry size, if given)."""
         cols = self._cols
-        mask = ((cols["tiers"] & tier) != 0) & (cols["pins"] == 0)
+        mask = ((cols["tiers"] & int(tier)) != 0) & (cols["pins"] == 0)
         if nbytes is not None:
             mask &= cols["nbytes"] == nbytes
         rows = np.flatnonzero(mask)
@@ -257,8 +259,4 @@ class Index:
                           cols["kind"][rows], cols["nbytes"][rows])
 
     def rows_in(self, tier: Tier) -> np.ndarray:
-        return np.flatnonzero((self._cols["tiers"] & tier) != 0)
-
-    def memory_bytes(self) -> int:
-        """Bytes held by the columns and the key list (the dicts are not counted here)."""
-        return sum(c.nbytes for c in self._cols.values()) + 8 * len(self._keys)
+        return np.flatnonzero((self._cols["tiers"] & int(tier)) != 0)
