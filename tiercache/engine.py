@@ -71,6 +71,13 @@ class EngineStats:
 
 
 @dataclass
+class _Delivery:
+    bytes_from: dict[Tier, int]
+    damaged: int
+    promoted: int
+
+
+@dataclass
 class _Group:
     """One kind of entry moving between the worker and the tiers."""
 
@@ -235,83 +242,102 @@ class Engine:
             if slot is None:
                 raise InvalidArgument("this layout has slot buffers: give the state slot to load into")
             dst_slot = row_ids([slot], layout.slot_rows, "state slot")
-        damaged_total = 0
+        damaged = 0
         for _ in range(_LOAD_ATTEMPTS):
             with self._lock:
                 hit = self._match(layout, keys[:limit])
                 if hit.match.pages == 0:
-                    break
+                    return LoadResult(hit.match, {}, damaged)
                 self.index.pin(hit.rows)
             moves = [(_pages(buffers), hit.page_rows, dst[:hit.match.pages])]
             if hit.checkpoint_row is not None:
                 moves.append((_checkpoints(buffers), np.array([hit.checkpoint_row]), dst_slot))
-            bytes_from, damaged = self._deliver(hit, moves)
-            damaged_total += damaged
-            if not damaged:
+            done = self._deliver(hit.rows, moves)
+            damaged += done.damaged
+            if not done.damaged:
                 with self._lock:
                     self.counters["loads"] += 1
                     self.counters["loaded_pages"] += hit.match.pages
-                return LoadResult(hit.match, bytes_from, damaged_total)
-        empty = Match(0, 0, len(keys), (), None, StopReason.MISSING_PAGE)
-        return LoadResult(hit.match if hit.match.pages == 0 else empty, {}, damaged_total)
+                return LoadResult(hit.match, done.bytes_from, damaged)
+        return LoadResult(Match(0, 0, len(keys), (), None, StopReason.MISSING_PAGE), {}, damaged)
 
-    def _deliver(self, hit: Hit, moves: list[tuple[_Group, np.ndarray, np.ndarray]]
-                 ) -> tuple[dict[Tier, int], int]:
-        """Copy pinned entries into worker rows, then unpin them and publish the disk hits
-        promoted to the host. Returns (bytes per tier, damaged entries)."""
-        bytes_from: dict[Tier, int] = {}
+    def prefetch(self, layout: Layout, keys: Sequence[PageKey]) -> int:
+        """Copy the disk-only entries of the hybrid match of `keys` into the host tier, so a
+        load that follows finds them there. Returns how many entries moved."""
+        with self._lock:
+            hit = self._match(layout, keys)
+            if self.disk is None or hit.match.pages == 0:
+                return 0
+            self.index.pin(hit.rows)
+        moves = [(_Group(Kind.PAGE, (), [], layout.page_bytes), hit.page_rows, None)]
+        if hit.checkpoint_row is not None:
+            moves.append((_Group(Kind.CHECKPOINT, (), [], layout.checkpoint_bytes),
+                          np.array([hit.checkpoint_row]), None))
+        return self._deliver(hit.rows, moves).promoted
+
+    def _deliver(self, pinned: np.ndarray, moves: list[tuple[_Group, np.ndarray, np.ndarray | None]]
+                 ) -> _Delivery:
+        """Bring pinned entries into host memory (promoting disk hits) and, where a move
+        names destination rows, scatter them into the worker. Unpins `pinned` at the end."""
+        done = _Delivery({}, 0, 0)
         damaged: list[int] = []
         promoted: list[tuple[np.ndarray, list[int], int]] = []  # (rows, host slots, nbytes)
         try:
             for group, entry_rows, dst in moves:
-                if len(entry_rows):
-                    self._deliver_group(group, entry_rows, dst, bytes_from, damaged, promoted)
+                staged = self._stage(group, entry_rows, dst is not None, damaged, promoted)
+                if staged is None or dst is None:
+                    continue
+                parts, from_disk = staged
+                for part in parts:
+                    self.transfer.scatter(part, group.buffers, group.offsets, dst)
+                for tier, count in ((Tier.HOST, len(entry_rows) - from_disk), (Tier.DISK, from_disk)):
+                    if count:
+                        done.bytes_from[tier] = done.bytes_from.get(tier, 0) + count * group.nbytes
         finally:
             with self._lock:
-                self.index.unpin(hit.rows)
+                self.index.unpin(pinned)
                 for rows, slots, nbytes in promoted:
                     if damaged:
                         self.host.free(nbytes, slots)
                     else:
                         self.index.add_tier(rows, Tier.HOST, slots)
-                        self.counters["promoted"] += len(rows)
+                        done.promoted += len(rows)
+                self.counters["promoted"] += done.promoted
                 self._drop(np.asarray(damaged, np.int64))
-        return bytes_from, len(damaged)
+        done.damaged = len(damaged)
+        return done
 
-    def _deliver_group(self, group: _Group, entry_rows: np.ndarray, dst: np.ndarray,
-                       bytes_from: dict[Tier, int], damaged: list[int],
-                       promoted: list[tuple[np.ndarray, list[int], int]]) -> None:
-        """Copy one kind of pinned entries into worker rows; disk entries go through the
-        host (promoted into new host slots, or a staging buffer when the host is full)."""
+    def _stage(self, group: _Group, entry_rows: np.ndarray, staging_ok: bool, damaged: list[int],
+               promoted: list[tuple[np.ndarray, list[int], int]]) -> tuple[list[SlabPart], int] | None:
+        """Host memory holding the pinned `entry_rows`: their host slots, where disk entries
+        are first read into new host slots (promotion) or, when the host has no room and
+        `staging_ok`, into a staging buffer. Returns (parts, entries read from disk), or None
+        when a disk entry turned out damaged."""
         nbytes = group.nbytes
         with self._lock:
             in_host = self.index.in_tier(entry_rows, Tier.HOST)
             slots = np.where(in_host, self.index.slots(entry_rows, Tier.HOST), -1)
             from_disk = np.flatnonzero(~in_host)
             promo = self._reserve(nbytes, len(from_disk)) if len(from_disk) else []
+        if not staging_ok:
+            from_disk = from_disk[:len(promo)]
         pool = self.host.pool(nbytes)
         staging = torch.empty((len(from_disk) - len(promo), nbytes), dtype=torch.uint8)
         if len(from_disk):
-            targets = [pool.view(s) for s in promo] + list(staging)
-            bad = self._read_disk(group.kind, entry_rows[from_disk], targets)
+            bad = self._read_disk(group.kind, entry_rows[from_disk],
+                                  [pool.view(s) for s in promo] + list(staging))
             if bad:
                 damaged.extend(bad)
                 with self._lock:
                     self.host.free(nbytes, promo)
-                return
+                return None
             slots[from_disk[:len(promo)]] = promo
             promoted.append((entry_rows[from_disk[:len(promo)]], promo, nbytes))
-        in_host_at = np.flatnonzero(slots >= 0)
-        for part in pool.parts(slots[in_host_at]):
-            self.transfer.scatter(SlabPart(part.slab, part.local, in_host_at[part.positions]),
-                                  group.buffers, group.offsets, dst)
-        staged = from_disk[len(promo):]
-        if len(staged):
-            self.transfer.scatter(SlabPart(staging, np.arange(len(staged)), staged),
-                                  group.buffers, group.offsets, dst)
-        for tier, count in ((Tier.HOST, len(entry_rows) - len(from_disk)), (Tier.DISK, len(from_disk))):
-            if count:
-                bytes_from[tier] = bytes_from.get(tier, 0) + count * nbytes
+        at = np.flatnonzero(slots >= 0)
+        parts = [SlabPart(p.slab, p.local, at[p.positions]) for p in pool.parts(slots[at])]
+        if len(staging):
+            parts.append(SlabPart(staging, np.arange(len(staging)), from_disk[len(promo):]))
+        return parts, len(from_disk)
 
     def _read_disk(self, kind: Kind, rows: np.ndarray, targets: list[torch.Tensor]) -> list[int]:
         """Copy verified disk entries into `targets`; returns the rows found damaged."""
@@ -407,7 +433,7 @@ class Engine:
         return False
 
     def _drop(self, rows: np.ndarray) -> None:
-        """Remove entries from every tier they are in. One a load is still reading stays:
+        """Remove damaged entries from every tier. One a load is still reading stays:
         that load finds out for itself and drops it when it ends."""
         rows = rows[self.index.column("pins", rows) == 0]
         for tier in (Tier.HOST, Tier.DISK):
@@ -415,18 +441,25 @@ class Engine:
             if len(inside):
                 self._remove(inside, tier)
 
-    def evict(self, keys: Sequence[PageKey] | None = None) -> int:
-        """Drop the pages and checkpoints named by `keys` (all entries if None) from every
-        tier; entries a load is reading stay. Returns how many entries were dropped."""
+    def evict(self, keys: Sequence[PageKey] | None = None, tier: Tier | None = None) -> int:
+        """Drop the pages and checkpoints named by `keys` (all entries if None) from `tier`
+        (every tier if None); entries a load is reading stay. Returns how many entries
+        were dropped from at least one tier."""
+        tiers = [t for t in (Tier.HOST, Tier.DISK) if tier is None or t == tier]
         with self._lock:
             if keys is None:
-                rows = np.union1d(self.index.rows_in(Tier.HOST), self.index.rows_in(Tier.DISK))
+                rows = np.unique(np.concatenate([self.index.rows_in(t) for t in tiers]))
             else:
                 found = [r for kind in Kind for r in self.index.rows_of(kind, keys) if r is not None]
                 rows = np.unique(np.asarray(found, np.int64))
             rows = rows[self.index.column("pins", rows) == 0]
-            self._drop(rows)
-            return len(rows)
+            dropped = np.zeros(len(rows), bool)
+            for t in tiers:
+                inside = self.index.in_tier(rows, t)
+                dropped |= inside
+                if inside.any():
+                    self._remove(rows[inside], t)
+            return int(dropped.sum())
 
     def stats(self) -> EngineStats:
         with self._lock:

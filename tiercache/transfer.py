@@ -4,8 +4,8 @@ An entry is the concatenation of one row of every buffer in a group (the paged b
 for a KV page, the slot buffers for a checkpoint), at the offsets the layout gives.
 `gather` copies worker rows into entries, `scatter` copies entries into worker rows;
 both take one call per batch, not one per row. This is the CPU path: one vectorised copy
-per buffer, spread over a few threads, reading or writing the arena side as a slice
-whenever the slots are consecutive (the usual case), so every byte is copied once.
+per buffer, reading or writing the arena side as a slice whenever the slots form a
+consecutive run (the usual case), so every byte is copied once.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ import torch
 from tiercache.tiers.arena import SlabPart
 
 
-def _run(local: np.ndarray) -> slice | None:
-    """`local` as a slice when it counts up by one, else None."""
-    if local.size and local[-1] - local[0] == local.size - 1 and (
-            local.size < 3 or np.all(np.diff(local) == 1)):
-        return slice(int(local[0]), int(local[-1]) + 1)
-    return None
+def _by_slot(part: SlabPart, rows: np.ndarray) -> tuple[slice | np.ndarray, np.ndarray]:
+    """The part's slots, as a slice when they form a consecutive run, and the worker rows
+    in the same order."""
+    order = np.argsort(part.local, kind="stable")
+    local, rows = part.local[order], rows[part.positions][order]
+    if local.size and local[-1] - local[0] == local.size - 1:  # distinct, so a run
+        return slice(int(local[0]), int(local[-1]) + 1), rows
+    return local, rows
 
 
 class CpuTransfer:
@@ -44,31 +46,24 @@ class CpuTransfer:
 
     def gather(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
                rows: np.ndarray, part: SlabPart) -> None:
-        """part.slab[part.local[i], entry bytes of buffer b] = buffers[b][rows[i]]."""
-        run = _run(part.local)
-        rows_t = torch.from_numpy(rows[part.positions])
-        local_rows = rows[part.positions]
-        slab_np = part.slab.numpy()
-
-        def copy(buffer: torch.Tensor, at: int) -> Callable[[], None]:
+        """part.slab[part.local[i], entry bytes of buffer b] = buffers[b][rows[part.positions[i]]]."""
+        slots, rows = _by_slot(part, rows)
+        for buffer, at in zip(buffers, offsets):
             width = buffer.shape[1]
-            if run is not None:  # torch gathers straight into the strided slice: one pass
-                return lambda: torch.index_select(buffer, 0, rows_t, out=part.slab[run, at:at + width])
-            return lambda: slab_np.__setitem__((part.local, slice(at, at + width)),
-                                               buffer.numpy()[local_rows])
-        self._each([copy(b, at) for b, at in zip(buffers, offsets)])
+            if isinstance(slots, slice):  # straight into the strided slice: torch's own threads
+                torch.index_select(buffer, 0, torch.from_numpy(rows), out=part.slab[slots, at:at + width])
+            else:
+                part.slab.numpy()[slots, at:at + width] = buffer.numpy()[rows]
 
     def scatter(self, part: SlabPart, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
                 rows: np.ndarray) -> None:
-        """buffers[b][rows[i]] = part.slab[part.local[i], entry bytes of buffer b]."""
-        run = _run(part.local)
-        slab_np = part.slab.numpy()
-        local_rows = rows[part.positions]
-        source = part.local if run is None else run
+        """buffers[b][rows[part.positions[i]]] = part.slab[part.local[i], entry bytes of buffer b]."""
+        slots, rows = _by_slot(part, rows)
+        slab = part.slab.numpy()
 
         def copy(buffer: torch.Tensor, at: int) -> Callable[[], None]:
-            width = buffer.shape[1]
-            return lambda: buffer.numpy().__setitem__(local_rows, slab_np[source, at:at + width])
+            # numpy scatters without the GIL: a few threads share the buffers
+            return lambda: buffer.numpy().__setitem__(rows, slab[slots, at:at + buffer.shape[1]])
         self._each([copy(b, at) for b, at in zip(buffers, offsets)])
 
     def close(self) -> None:

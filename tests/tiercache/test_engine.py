@@ -41,7 +41,8 @@ def check_round_trip(engine, prompts, source, expect_tier):
         dst = dest_rows[n * 50:(n + 1) * 50]
         result = engine.load(other, keys, dst, slot=23 - n)
         assert result.match.pages == 50 and result.match.stop == StopReason.END_OF_PROMPT
-        assert set(result.bytes_from) == {expect_tier}
+        assert set(result.match.page_tiers) == {expect_tier}
+        assert result.bytes_from.get(expect_tier, 0) >= 50 * LAYOUT.page_bytes
         assert same(page_bytes(other, dst), page_bytes(source, src_rows))
         assert same(slot_bytes(other, 23 - n), slot_bytes(source, src_slot))
 
@@ -229,3 +230,24 @@ def test_bad_input_is_refused_and_changes_nothing(call, message):
     with pytest.raises(InvalidArgument, match=message):
         call(engine, worker, keys)
     assert len(engine.index) == 0 and engine.stats().tiers[0].used_bytes == 0
+
+
+def test_prefetch_moves_a_disk_hit_to_the_host(tmp_path):
+    engine = open_engine(tmp_path)
+    worker = random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=1, pages=6)
+    engine.store_pages(worker, keys, range(6))
+    engine.store_checkpoint(worker, keys, slot=0)
+    engine.flush()
+    # drop the host copies: the hit now lives on disk only
+    assert engine.evict(tier=Tier.HOST) == 7
+    assert set(engine.match(LAYOUT, keys).page_tiers) == {Tier.DISK}
+    assert engine.prefetch(LAYOUT, keys) == 7
+    match = engine.match(LAYOUT, keys)
+    assert set(match.page_tiers) == {Tier.HOST} and match.checkpoint_tier == Tier.HOST
+    assert engine.prefetch(LAYOUT, keys) == 0  # nothing left to move
+    other = random_buffers(LAYOUT, seed=2)
+    result = engine.load(other, keys, range(30, 36), slot=3)
+    assert result.bytes_from == {Tier.HOST: 6 * LAYOUT.page_bytes + LAYOUT.checkpoint_bytes}
+    assert same(page_bytes(other, range(30, 36)), page_bytes(worker, range(6)))
+    engine.close()

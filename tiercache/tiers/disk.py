@@ -118,8 +118,10 @@ class DiskTier:
     @classmethod
     def open(cls, config: DiskConfig) -> "DiskTier":
         os.makedirs(config.path, exist_ok=True)
+        # writemap: values are copied once, straight into the file's pages; LMDB still
+        # writes only to free pages, so a crash never damages committed entries.
         env = lmdb.open(config.path, map_size=config.map_size, max_dbs=2, sync=config.sync,
-                        metasync=config.sync, meminit=False, max_readers=512)
+                        metasync=config.sync, meminit=False, writemap=True, max_readers=512)
         return cls(config, env)
 
     @property

@@ -46,5 +46,5 @@ def check(status: object) -> None:
 def host_arena(config: HostConfig) -> SlotArena:
     pin = torch.cuda.is_available() if config.pin is None else config.pin
     # Small budgets get small slabs, so that room moves between entry sizes easily.
-    slab_bytes = max(1, min(config.slab_bytes, config.budget_bytes // 16))
+    slab_bytes = max(1, min(config.slab_bytes, config.budget_bytes // 4))
     return SlotArena(config.budget_bytes, slab_bytes, HostMemory(pin))
