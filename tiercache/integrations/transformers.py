@@ -8,12 +8,12 @@ How `hf_cache` lays a cache out as rows is described there. This module adds the
 prompt's page keys and the prefill that makes checkpoints possible at all: the state a
 linear-attention layer holds after N tokens is a checkpoint for page N / page_tokens only
 when N is a multiple of page_tokens, and it cannot be rewound. So `prefill` runs the
-model in chunks that end on the page boundaries where it keeps a checkpoint (the last
-full page, and every `checkpoint_every` pages if set), stores the KV pages and the state
-there, and only then runs on. The remainder after the last full page is computed last and
-never stored. Splitting changes the order of floating-point sums, not the function, so the
-logits stay within rounding of one unsplit forward pass, and a prefix loaded back is
-bit-identical to the same prefix kept in memory.
+model in chunks that end on the page boundaries where it keeps a checkpoint (see
+`_plan`), stores the KV pages and the state there, and only then runs on. The tokens
+after the last full page are computed last and never stored. Splitting changes the order
+of floating-point sums, not the function, so the logits stay within rounding of one
+unsplit forward pass, and a prefix loaded back is bit-identical to the same prefix kept
+in memory.
 
 The adapter talks to the store through four calls (`Backend`), all made in this file's
 `match`, `_load` and `_store`: the embedded `Engine`, or a client of the daemon with the
@@ -215,12 +215,15 @@ class HybridCacheAdapter:
 
     def _plan(self, done: int, length: int, pages: int) -> tuple[list[int], set[int]]:
         """Where the forward passes end (token counts), and which of those ends are kept as
-        checkpoints: the last full page, and every `checkpoint_every` pages, after `done`.
+        checkpoints, after `done`: the last full page; the last one before the final token,
+        which is as far as a later run of this same prompt loads (they differ when the
+        prompt ends on a boundary); and every `checkpoint_every` pages.
         Without linear-attention state there is nothing to stop for: one pass does."""
         if not self.layout.needs_checkpoint:
             return [length], set()
         page_tokens, every = self.config.page_tokens, self.config.checkpoint_every
-        wanted = {pages} | (set(range(every, pages, every)) if every else set())
+        wanted = {pages, min(pages, (length - 1) // page_tokens)}
+        wanted |= set(range(every, pages, every)) if every else set()
         checkpoints = {p * page_tokens for p in wanted if p and done < p * page_tokens <= length}
         return sorted(checkpoints | {length}), checkpoints
 
