@@ -153,13 +153,12 @@ class Staging:
     and one state slot. The engine copies only between these and its tiers; this class
     copies between these and a transformers cache."""
 
-    def __init__(self, spec: CacheSpec, layout: Layout, device: torch.device | str) -> None:
-        def alloc(b: BufferSpec) -> torch.Tensor:
-            return torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device=device)
+    def __init__(self, spec: CacheSpec, layout: Layout,
+                 allocate: Callable[[BufferSpec], torch.Tensor]) -> None:
         self.spec = spec
         self.page_tokens = layout.page_tokens
-        self.paged = {b.name: alloc(b) for b in layout.paged}
-        self.slots = {b.name: alloc(b) for b in layout.slots}
+        self.paged = {b.name: allocate(b) for b in layout.paged}
+        self.slots = {b.name: allocate(b) for b in layout.slots}
         self.buffers = WorkerBuffers.bind(layout, paged=self.paged, slots=self.slots)
 
     def pages_from(self, cache: Cache, first: int, last: int) -> None:

@@ -34,7 +34,7 @@ from tiercache.errors import InvalidArgument
 from tiercache.hashing import Namespace, PageKey, page_keys
 from tiercache.index import Match
 from tiercache.integrations.hf_cache import Cache, CacheSpec, DynamicCache, Staging, UnsupportedCache
-from tiercache.layout import Layout
+from tiercache.layout import BufferSpec, Layout
 
 __all__ = ["AdapterConfig", "Backend", "CacheSpec", "HybridCacheAdapter", "Prefill", "Restored",
            "Stored", "UnsupportedCache"]
@@ -65,6 +65,8 @@ class AdapterConfig:
     extra: tuple[str, ...] = ()  # LoRA id, multimodal hashes, ...
 
     def __post_init__(self) -> None:
+        if self.page_tokens <= 0:
+            raise InvalidArgument(f"page_tokens must be positive, got {self.page_tokens}")
         if self.max_tokens < self.page_tokens:
             raise InvalidArgument(f"max_tokens {self.max_tokens} is under one page of "
                                   f"{self.page_tokens} tokens: nothing could be cached")
@@ -102,10 +104,17 @@ class Prefill:
     stores: tuple[Stored, ...]
 
 
+Allocate = Callable[[BufferSpec], torch.Tensor]
+
+
 class HybridCacheAdapter:
+    """Staging rows live on the CPU by default, where the embedded engine reads them. A
+    daemon client passes `allocate` to put them where the daemon can read them (shared
+    memory, or device memory it opens through CUDA IPC)."""
+
     def __init__(self, backend: Backend, spec: CacheSpec, config: AdapterConfig,
                  new_cache: Callable[[], Cache], device: torch.device | str,
-                 staging_device: torch.device | str = "cpu") -> None:
+                 allocate: Allocate | None = None) -> None:
         self.backend = backend
         self.spec = spec
         self.config = config
@@ -114,19 +123,17 @@ class HybridCacheAdapter:
         self.layout = spec.layout(config.page_tokens, config.max_pages)
         self.root = Namespace(config.model_id, self.layout.fingerprint, config.tenant,
                               config.extra).root()
-        self.staging = Staging(spec, self.layout, staging_device)
+        self.staging = Staging(spec, self.layout, allocate or _zeros_on("cpu"))
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, backend: Backend, config: AdapterConfig,
-                  staging_device: torch.device | str = "cpu") -> "HybridCacheAdapter":
-        """An adapter for `model`'s own cache (`DynamicCache(config=model.config)`). Staging
-        rows live on the CPU for the embedded engine; put them on the model's device for
-        a daemon that reads device memory."""
+                  allocate: Allocate | None = None) -> "HybridCacheAdapter":
+        """An adapter for `model`'s own cache (`DynamicCache(config=model.config)`)."""
         def new_cache() -> Cache:
             return DynamicCache(config=model.config)
         spec = CacheSpec.probe(model, new_cache)
         device = next(model.parameters()).device
-        return cls(backend, spec, config, new_cache, device, staging_device)
+        return cls(backend, spec, config, new_cache, device, allocate)
 
     # -- keys and the store ------------------------------------------------------------
     def keys(self, tokens: Any) -> list[PageKey]:
@@ -157,7 +164,10 @@ class HybridCacheAdapter:
     def load(self, tokens: Any) -> Restored:
         """A cache that has seen the longest cached prefix of `tokens` (an empty cache on a
         miss). To get logits for the last token, pass all tokens but the last one."""
-        result = self._load(self.keys(tokens))
+        return self._restore(self.keys(tokens))
+
+    def _restore(self, keys: list[PageKey]) -> Restored:
+        result = self._load(keys)
         cache = self.new_cache()
         if result.match.pages:
             self.staging.fill(cache, result.match.pages, self.device)
@@ -192,7 +202,7 @@ class HybridCacheAdapter:
             raise InvalidArgument(f"input_ids must have shape [1, tokens], got {tuple(input_ids.shape)}")
         keys = self.keys(input_ids[0])
         # At least one token is left to compute: its logits pick the next token.
-        restored = self.load(input_ids[0, :-1])
+        restored = self._restore(keys[:(input_ids.shape[1] - 1) // self.config.page_tokens])
         cache, done, staged = restored.cache, restored.tokens, restored.load.match.pages
         stops, checkpoints = self._plan(done, input_ids.shape[1], len(keys))
         chunks, logits, stores = [], [], []
@@ -226,6 +236,10 @@ class HybridCacheAdapter:
         wanted |= set(range(every, pages, every)) if every else set()
         checkpoints = {p * page_tokens for p in wanted if p and done < p * page_tokens <= length}
         return sorted(checkpoints | {length}), checkpoints
+
+
+def _zeros_on(device: torch.device | str) -> Allocate:
+    return lambda spec: torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
 
 
 def _flat(tokens: Any) -> Any:
