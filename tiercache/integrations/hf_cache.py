@@ -106,8 +106,9 @@ class CacheSpec:
     def layout(self, page_tokens: int, pages: int, slots: int = 1) -> Layout:
         paged = []
         for kv in self.kv:
-            paged += [BufferSpec(f"layer{kv.layer}.k", pages, (kv.heads, page_tokens, kv.key_dim), kv.dtype),
-                      BufferSpec(f"layer{kv.layer}.v", pages, (kv.heads, page_tokens, kv.value_dim), kv.dtype)]
+            for part, dim in (("k", kv.key_dim), ("v", kv.value_dim)):
+                paged.append(BufferSpec(f"layer{kv.layer}.{part}", pages,
+                                        (kv.heads, page_tokens, dim), kv.dtype))
         return Layout(page_tokens, tuple(paged),
                       tuple(BufferSpec(s.name, slots, s.shape, s.dtype) for s in self.states))
 
@@ -122,7 +123,8 @@ def _read_layer(index: int, layer: object) -> tuple[list[KVSpec], list[StateSpec
     states: list[StateSpec] = []
     if linear:
         if layer.record_past:  # conv states then keep more than the kernel width
-            raise UnsupportedCache(f"{where} records past states: store before activate_past_recording()")
+            raise UnsupportedCache(f"{where} records past states: store before "
+                                   "activate_past_recording()")
         for s in range(layer.number_of_states):
             for kind in _STATE_KINDS:
                 if getattr(layer, f"is_{kind}_states_initialized")[s]:
@@ -131,8 +133,9 @@ def _read_layer(index: int, layer: object) -> tuple[list[KVSpec], list[StateSpec
     kv: list[KVSpec] = []
     if isinstance(layer, CacheLayerMixin):
         if type(layer) not in _WHOLE_KV_LAYERS:
-            raise UnsupportedCache(f"{where} does not keep every token's keys and values, so pages "
-                                   f"cannot rebuild it; supported: {[c.__name__ for c in _WHOLE_KV_LAYERS]}")
+            supported = [c.__name__ for c in _WHOLE_KV_LAYERS]
+            raise UnsupportedCache(f"{where} does not keep every token's keys and values, so "
+                                   f"pages cannot rebuild it; supported: {supported}")
         if not layer.is_initialized:
             raise UnsupportedCache(f"{where} is empty: run one forward pass with the cache first")
         keys = _one_sequence(layer.keys, where)

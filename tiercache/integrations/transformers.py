@@ -33,7 +33,8 @@ from tiercache.engine import LoadResult, StoreResult
 from tiercache.errors import InvalidArgument
 from tiercache.hashing import Namespace, PageKey, page_keys
 from tiercache.index import Match
-from tiercache.integrations.hf_cache import Cache, CacheSpec, DynamicCache, Staging, UnsupportedCache
+from tiercache.integrations.hf_cache import (
+    Cache, CacheSpec, DynamicCache, Staging, UnsupportedCache)
 from tiercache.layout import BufferSpec, Layout
 
 __all__ = ["AdapterConfig", "Backend", "CacheSpec", "HybridCacheAdapter", "Prefill", "Restored",
@@ -199,7 +200,8 @@ class HybridCacheAdapter:
         """Load the longest hit of `input_ids` ([1, N]), run `model` on the rest in chunks
         that end on checkpoint boundaries, and store pages and checkpoints there."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
-            raise InvalidArgument(f"input_ids must have shape [1, tokens], got {tuple(input_ids.shape)}")
+            raise InvalidArgument(
+                f"input_ids must have shape [1, tokens], got {tuple(input_ids.shape)}")
         keys = self.keys(input_ids[0])
         # At least one token is left to compute: its logits pick the next token.
         restored = self._restore(keys[:(input_ids.shape[1] - 1) // self.config.page_tokens])

@@ -67,7 +67,8 @@ def in_memory(model, input_ids: torch.Tensor, chunks: list[int]) -> torch.Tensor
     done = 0
     with torch.no_grad():
         for count in chunks:
-            out = model(input_ids=input_ids[:, done:done + count], past_key_values=cache, use_cache=True)
+            out = model(input_ids=input_ids[:, done:done + count], past_key_values=cache,
+                        use_cache=True)
             done += count
     assert done == input_ids.shape[1]
     return out.logits
@@ -136,7 +137,8 @@ def test_prefix_from_disk_continues_bit_exactly(model, calls, tmp_path, push):
     # the same prefix kept in memory, within rounding of a full prefill.
     calls.clear()
     with torch.no_grad():
-        ours = model(input_ids=second[:, 32:], past_key_values=restored.cache, use_cache=True).logits
+        ours = model(input_ids=second[:, 32:], past_key_values=restored.cache,
+                     use_cache=True).logits
     assert calls == [13]
     kept = in_memory(model, second, [32, 13])
     assert torch.equal(ours, kept), f"max |delta| = {(ours - kept).abs().max()}"
@@ -252,7 +254,8 @@ CONFIG_CLASSES = {"Qwen3_5": "Qwen3_5TextConfig"}
 def test_other_hybrid_families_round_trip_bit_exactly(family):
     config_class = getattr(transformers, CONFIG_CLASSES.get(family, f"{family}Config"))
     torch.manual_seed(0)
-    model = getattr(transformers, f"{family}ForCausalLM")(config_class(**OTHER_FAMILIES[family])).eval()
+    model_class = getattr(transformers, f"{family}ForCausalLM")
+    model = model_class(config_class(**OTHER_FAMILIES[family])).eval()
     engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=MiB)))
     config = AdapterConfig(model_id=f"tiny-{family}", page_tokens=PAGE, max_tokens=64)
     adapter = HybridCacheAdapter.for_model(model, engine, config)
