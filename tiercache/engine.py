@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tiercache.buffers import WorkerBuffers, row_ids
-from tiercache.errors import InvalidArgument, ResourceExhausted
+from tiercache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from tiercache.hashing import PageKey
 from tiercache.index import Hit, Index, Kind, Match, StopReason, Tier
 from tiercache.layout import Layout
@@ -106,6 +106,7 @@ class Engine:
         self.transfer = CpuTransfer(config.copy_threads)
         self._lock = threading.RLock()
         self._inflight: set[tuple[Kind, PageKey]] = set()
+        self._closed = False
         self.counters: dict[str, int] = dict.fromkeys(
             ["matches", "matched_pages", "stored_pages", "stored_checkpoints", "skipped_entries",
              "loads", "loaded_pages", "demoted", "promoted", "evicted_host", "evicted_disk"], 0)
@@ -134,20 +135,29 @@ class Engine:
         """Write every host entry that is not on disk yet to disk (they stay in the host).
         Returns how many were written; without a disk tier, 0."""
         with self._lock:
+            self._check_open()
             if self.disk is None:
                 return 0
             rows = np.setdiff1d(self.index.rows_in(Tier.HOST), self.index.rows_in(Tier.DISK))
             return self._demote(rows)
 
     def close(self, flush: bool = True) -> None:
-        """Flush the host tier to disk (unless told not to) and release everything."""
+        """Flush the host tier to disk (unless told not to) and release everything.
+        Afterwards every call fails: the index would name bytes that are gone."""
         with self._lock:
+            if self._closed:
+                return
             if flush:
                 self.flush()
             self.transfer.close()
             self.host.close()
             if self.disk is not None:
                 self.disk.close()
+            self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPrecondition("the engine is closed: open a new one with Engine.open")
 
     # -- store ------------------------------------------------------------------------
     def store_pages(self, buffers: WorkerBuffers, keys: Sequence[PageKey],
@@ -173,6 +183,7 @@ class Engine:
     def _store(self, group: _Group, keys: list[PageKey], depths: list[int],
                src: np.ndarray) -> StoreResult:
         with self._lock:
+            self._check_open()
             stamp = self.index.tick()
             existing = self.index.rows_of(group.kind, keys)
             self.index.touch(np.array([r for r in existing if r is not None], np.int64))
@@ -225,6 +236,7 @@ class Engine:
             return hit.match
 
     def _match(self, layout: Layout, keys: Sequence[PageKey]) -> Hit:
+        self._check_open()
         self.index.tick()
         hit = self.index.match(keys, layout.page_tokens, layout.needs_pages, layout.needs_checkpoint)
         self.index.touch(hit.rows)
@@ -447,6 +459,7 @@ class Engine:
         were dropped from at least one tier."""
         tiers = [t for t in (Tier.HOST, Tier.DISK) if tier is None or t == tier]
         with self._lock:
+            self._check_open()
             if keys is None:
                 rows = np.unique(np.concatenate([self.index.rows_in(t) for t in tiers]))
             else:

@@ -1,0 +1,199 @@
+"""A Hugging Face transformers cache seen as tiercache rows, and back.
+
+transformers 5.x builds the cache of every hybrid model in the library from the same
+layer classes (`DynamicCache(config=...)` picks them from `config.layer_types`):
+
+- `DynamicLayer`: full attention, `keys` / `values` of shape [batch, heads, tokens, dim];
+- `LinearAttentionLayer`: GDN / Mamba / short-conv layers, `conv_states[i]` and
+  `recurrent_states[i]` (fixed shapes, no token dimension), `i < number_of_states`;
+- `LinearAttentionAndFullAttentionLayer`: both in one layer (Falcon-H1, Zamba);
+- `DummyLayer`: a layer that caches nothing (MLP-only layers, KV-sharing consumers).
+
+This module relies on those public attributes only, never on a model's own code, so
+every family built from these classes is covered. Layers that keep less than the whole
+prefix (sliding windows, quantized or indexed KV) cannot be rebuilt from pages and are
+refused by name.
+
+Rows: each full-attention layer gives two paged buffers, `layer{i}.k` and `layer{i}.v`,
+whose row p is page p+1 of the sequence, shaped [heads, page_tokens, dim] like the
+cache's own tensors; each linear-attention state gives one slot buffer,
+`layer{i}.conv{s}` or `layer{i}.recurrent{s}`, whose row is that state of one sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tiercache.buffers import WorkerBuffers
+from tiercache.errors import InvalidArgument
+from tiercache.layout import BufferSpec, Layout
+
+try:
+    from transformers.cache_utils import (
+        Cache, CacheLayerMixin, DummyLayer, DynamicCache, DynamicLayer,
+        LinearAttentionAndFullAttentionLayer, LinearAttentionCacheLayerMixin)
+except ImportError as error:  # transformers missing, or a version without linear-attention layers
+    raise ImportError(
+        "tiercache.integrations.transformers needs Hugging Face transformers 5.x with its "
+        "linear-attention cache layers (tested with 5.23): pip install 'tiercache[transformers]'"
+    ) from error
+
+# Layers whose KV tensors hold every token of the prefix, so pages rebuild them exactly.
+_WHOLE_KV_LAYERS = (DynamicLayer, LinearAttentionAndFullAttentionLayer)
+_STATE_KINDS = ("conv", "recurrent")
+
+
+class UnsupportedCache(InvalidArgument):
+    """A cache layer the adapter cannot page; the message names it."""
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    layer: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    layer: int
+    index: int  # the layer's state_idx
+    kind: str  # "conv" or "recurrent"
+    shape: tuple[int, ...]  # without the batch dimension
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return f"layer{self.layer}.{self.kind}{self.index}"
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a model's cache holds per layer: the shapes, not the contents."""
+
+    kv: tuple[KVSpec, ...]
+    states: tuple[StateSpec, ...]
+
+    @classmethod
+    def of(cls, cache: Cache) -> "CacheSpec":
+        """The spec of a cache that has seen at least one token (layers fill lazily)."""
+        kv: list[KVSpec] = []
+        states: list[StateSpec] = []
+        for index, layer in enumerate(cache.layers):
+            layer_kv, layer_states = _read_layer(index, layer)
+            kv += layer_kv
+            states += layer_states
+        if not kv and not states:
+            raise UnsupportedCache("the cache holds no tensors: run one forward pass with it first")
+        return cls(tuple(kv), tuple(states))
+
+    @classmethod
+    def probe(cls, model: torch.nn.Module, new_cache: Callable[[], Cache]) -> "CacheSpec":
+        """Run `model` on one token with a fresh cache and read the spec off it: linear-attention
+        shapes (conv kernel, state size) are only known to the model's own code."""
+        cache = new_cache()
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
+                  past_key_values=cache, use_cache=True)
+        return cls.of(cache)
+
+    def layout(self, page_tokens: int, pages: int, slots: int = 1) -> Layout:
+        paged = []
+        for kv in self.kv:
+            for part, dim in (("k", kv.key_dim), ("v", kv.value_dim)):
+                paged.append(BufferSpec(f"layer{kv.layer}.{part}", pages,
+                                        (kv.heads, page_tokens, dim), kv.dtype))
+        return Layout(page_tokens, tuple(paged),
+                      tuple(BufferSpec(s.name, slots, s.shape, s.dtype) for s in self.states))
+
+
+def _read_layer(index: int, layer: object) -> tuple[list[KVSpec], list[StateSpec]]:
+    where = f"cache layer {index} ({type(layer).__name__})"
+    if isinstance(layer, DummyLayer):
+        return [], []
+    linear = isinstance(layer, LinearAttentionCacheLayerMixin)
+    if not linear and not isinstance(layer, CacheLayerMixin):
+        raise UnsupportedCache(f"{where} is not a transformers cache layer")
+    states: list[StateSpec] = []
+    if linear:
+        if layer.record_past:  # conv states then keep more than the kernel width
+            raise UnsupportedCache(f"{where} records past states: store before "
+                                   "activate_past_recording()")
+        for s in range(layer.number_of_states):
+            for kind in _STATE_KINDS:
+                if getattr(layer, f"is_{kind}_states_initialized")[s]:
+                    tensor = _one_sequence(getattr(layer, f"{kind}_states")[s], where)
+                    states.append(StateSpec(index, s, kind, tuple(tensor.shape[1:]), tensor.dtype))
+    kv: list[KVSpec] = []
+    if isinstance(layer, CacheLayerMixin):
+        if type(layer) not in _WHOLE_KV_LAYERS:
+            supported = [c.__name__ for c in _WHOLE_KV_LAYERS]
+            raise UnsupportedCache(f"{where} does not keep every token's keys and values, so "
+                                   f"pages cannot rebuild it; supported: {supported}")
+        if not layer.is_initialized:
+            raise UnsupportedCache(f"{where} is empty: run one forward pass with the cache first")
+        keys = _one_sequence(layer.keys, where)
+        kv.append(KVSpec(index, keys.shape[1], keys.shape[3], layer.values.shape[3], keys.dtype))
+    return kv, states
+
+
+def _one_sequence(tensor: torch.Tensor, where: str) -> torch.Tensor:
+    if tensor.shape[0] != 1:
+        raise UnsupportedCache(f"{where} holds a batch of {tensor.shape[0]} sequences: the adapter "
+                               "caches one sequence at a time (batch size 1)")
+    return tensor
+
+
+class Staging:
+    """The adapter's own rows, bound as the engine's worker buffers: KV pages of one
+    sequence (row p = page p+1, so a load and later stores of the same prompt share rows)
+    and one state slot. The engine copies only between these and its tiers; this class
+    copies between these and a transformers cache."""
+
+    def __init__(self, spec: CacheSpec, layout: Layout,
+                 allocate: Callable[[BufferSpec], torch.Tensor]) -> None:
+        self.spec = spec
+        self.page_tokens = layout.page_tokens
+        self.paged = {b.name: allocate(b) for b in layout.paged}
+        self.slots = {b.name: allocate(b) for b in layout.slots}
+        self.buffers = WorkerBuffers.bind(layout, paged=self.paged, slots=self.slots)
+
+    def pages_from(self, cache: Cache, first: int, last: int) -> None:
+        """Copy pages first+1..last of the cache's KV into rows first..last-1."""
+        if last <= first:
+            return
+        span = slice(first * self.page_tokens, last * self.page_tokens)
+        for kv in self.spec.kv:
+            layer = cache.layers[kv.layer]
+            for part, tensor in (("k", layer.keys), ("v", layer.values)):
+                pages = tensor[0, :, span].unflatten(1, (last - first, self.page_tokens))
+                self.paged[f"layer{kv.layer}.{part}"][first:last].copy_(pages.transpose(0, 1))
+
+    def state_from(self, cache: Cache) -> None:
+        """Copy the cache's linear-attention states into slot 0."""
+        for s in self.spec.states:
+            tensors = getattr(cache.layers[s.layer], f"{s.kind}_states")
+            self.slots[s.name][0].copy_(tensors[s.index][0])
+
+    def fill(self, cache: Cache, pages: int, device: torch.device) -> None:
+        """Write rows 0..pages-1 and slot 0 into an empty cache through its public update
+        calls, the same ones a forward pass makes; they copy, so the rows may be reused."""
+        for kv in self.spec.kv:
+            keys, values = (self.paged[f"layer{kv.layer}.{part}"][:pages].transpose(0, 1)
+                            .flatten(1, 2).unsqueeze(0).to(device) for part in ("k", "v"))
+            cache.update(keys, values, kv.layer)
+        for s in self.spec.states:
+            state = self.slots[s.name][0].unsqueeze(0).to(device)
+            if s.kind == "conv":
+                cache.update_conv_state(state, s.layer, s.index)
+            else:
+                cache.update_recurrent_state(state, s.layer, s.index)
+            # update_conv_state marks the state as carried over; a layer without a conv
+            # state has no public call that does, so mark it here.
+            cache.layers[s.layer].has_previous_state[s.index] = True
