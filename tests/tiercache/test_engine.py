@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tiercache.engine import Engine, EngineConfig
-from tiercache.errors import InvalidArgument, ResourceExhausted
+from tiercache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from tiercache.index import StopReason, Tier
 from tiercache.layout import Layout
 from tiercache.tiers.disk import DiskConfig
@@ -251,3 +251,19 @@ def test_prefetch_moves_a_disk_hit_to_the_host(tmp_path):
     assert result.bytes_from == {Tier.HOST: 6 * LAYOUT.page_bytes + LAYOUT.checkpoint_bytes}
     assert same(page_bytes(other, range(30, 36)), page_bytes(worker, range(6)))
     engine.close()
+
+
+def test_a_closed_engine_refuses_every_call():
+    engine = open_engine()
+    worker = random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=1, pages=2)
+    engine.store_pages(worker, keys, [0, 1])
+    engine.store_checkpoint(worker, keys, 0)
+    engine.close()
+    engine.close()  # a second close is harmless
+    # without a disk tier the host held the only copy: nothing may hit any more
+    for call in (lambda: engine.match(LAYOUT, keys), lambda: engine.load(worker, keys, [2, 3], 0),
+                 lambda: engine.store_pages(worker, keys, [0, 1]),
+                 lambda: engine.store_checkpoint(worker, keys, 0), engine.flush, engine.evict):
+        with pytest.raises(FailedPrecondition, match="closed"):
+            call()
