@@ -16,7 +16,7 @@ import numpy as np
 
 from benchmarks.common import median_seconds, print_summary, print_table
 from tiercache.engine import Engine, EngineConfig
-from tiercache.hashing import Namespace, page_keys
+from tiercache.hashing import Namespace, key_array, page_keys
 from tiercache.index import Index, Kind, Tier
 from tiercache.layout import BufferSpec, Layout
 from tiercache.tiers.host import HostConfig, host_arena
@@ -26,12 +26,12 @@ LAYOUT = Layout(16, paged=(BufferSpec("kv", 8, (16, 1024), "bfloat16"),),
 ROOT = Namespace("bench", LAYOUT.fingerprint).root()
 
 
-def random_keys(seed: int, pages: int) -> list:
+def random_keys(seed: int, pages: int) -> np.ndarray:
     tokens = np.random.default_rng(seed).integers(0, 150_000, pages * 16)
-    return page_keys(tokens, ROOT, 16)
+    return key_array(page_keys(tokens, ROOT, 16))
 
 
-def build(prompt: list, others: int) -> Index:
+def build(prompt: np.ndarray, others: int) -> Index:
     index = Index()
     depths = range(1, 1001)
     index.publish(Kind.PAGE, prompt[:1000], depths, LAYOUT.page_bytes, Tier.DISK)
@@ -41,7 +41,7 @@ def build(prompt: list, others: int) -> Index:
     return index
 
 
-def bytes_per_page(prompt: list, others: int) -> float:
+def bytes_per_page(prompt: np.ndarray, others: int) -> float:
     gc.collect()
     tracemalloc.start()
     index = build(prompt, others)
@@ -50,10 +50,13 @@ def bytes_per_page(prompt: list, others: int) -> float:
     return used / (len(index) - 10)  # the ten checkpoints are not pages
 
 
-def match_seconds(index: Index, prompt: list) -> float:
+def match_seconds(index: Index, prompt: np.ndarray) -> float:
+    """Median time of Engine.match given the prompt's keys packed as bytes, as they come
+    off the wire (the worker hashed them)."""
     engine = Engine(EngineConfig(), index, host_arena(HostConfig(budget_bytes=1 << 20)), None)
-    assert engine.match(LAYOUT, prompt).pages == 1000
-    return median_seconds(lambda: engine.match(LAYOUT, prompt), repeat=51, warmup=5)
+    packed = prompt.tobytes()
+    assert engine.match(LAYOUT, packed).pages == 1000
+    return median_seconds(lambda: engine.match(LAYOUT, packed), repeat=101, warmup=5)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import torch
 
 from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from tiercache.hashing import PageKey
+from tiercache.hashing import Keys, PageKey, key_array, key_list
 from tiercache.index import Hit, Index, Kind, Match, StopReason, Tier
 from tiercache.layout import Layout
 from tiercache.policy import make_policy
@@ -129,7 +129,8 @@ class Engine:
                 created = when
                 self.index.tick()
             batch = list(records)
-            self.index.publish(kind, [r.key for r in batch], [r.depth for r in batch], nbytes, Tier.DISK)
+            self.index.publish(kind, key_array([r.key for r in batch]), [r.depth for r in batch],
+                               nbytes, Tier.DISK)
 
     def flush(self) -> int:
         """Write every host entry that is not on disk yet to disk (they stay in the host).
@@ -160,36 +161,38 @@ class Engine:
             raise FailedPrecondition("the engine is closed: open a new one with Engine.open")
 
     # -- store ------------------------------------------------------------------------
-    def store_pages(self, buffers: WorkerBuffers, keys: Sequence[PageKey],
-                    rows: Sequence[int]) -> StoreResult:
+    def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int]) -> StoreResult:
         """Store the KV pages of a prompt: keys[i] (page i+1 of the chain) from rows[i]."""
         if not buffers.layout.needs_pages:
             raise InvalidArgument("this layout has no paged buffers: store a checkpoint instead")
+        chain = key_array(keys)
         src = row_ids(rows, buffers.layout.page_rows, "kv row")
-        if len(src) != len(keys):
-            raise InvalidArgument(f"got {len(keys)} page keys but {len(src)} kv rows: give one row per page")
-        return self._store(_pages(buffers), list(keys), list(range(1, len(keys) + 1)), src)
+        if len(src) != len(chain):
+            raise InvalidArgument(f"got {len(chain)} page keys but {len(src)} kv rows: give one row per page")
+        return self._store(_pages(buffers), chain, np.arange(1, len(chain) + 1), src)
 
-    def store_checkpoint(self, buffers: WorkerBuffers, keys: Sequence[PageKey],
-                         slot: int) -> StoreResult:
+    def store_checkpoint(self, buffers: WorkerBuffers, keys: Keys, slot: int) -> StoreResult:
         """Store the state in `slot`, taken after the last page of the chain `keys`."""
         if not buffers.layout.needs_checkpoint:
             raise InvalidArgument("this layout has no slot buffers: it has no checkpoints")
-        if not keys:
+        chain = key_array(keys)
+        if not len(chain):
             raise InvalidArgument("a checkpoint needs the page keys of its prefix, got none")
         src = row_ids([slot], buffers.layout.slot_rows, "state slot")
-        return self._store(_checkpoints(buffers), [keys[-1]], [len(keys)], src)
+        return self._store(_checkpoints(buffers), chain[-1:], np.array([len(chain)]), src)
 
-    def _store(self, group: _Group, keys: list[PageKey], depths: list[int],
+    def _store(self, group: _Group, keys: np.ndarray, depths: np.ndarray,
                src: np.ndarray) -> StoreResult:
         with self._lock:
             self._check_open()
             stamp = self.index.tick()
             existing = self.index.rows_of(group.kind, keys)
-            self.index.touch(np.array([r for r in existing if r is not None], np.int64))
-            todo = [i for i, row in enumerate(existing)
-                    if row is None and (group.kind, keys[i]) not in self._inflight]
-            claimed = [(group.kind, keys[i]) for i in todo]
+            self.index.touch(existing[existing >= 0])
+            new = np.flatnonzero(existing < 0)
+            names = key_list(keys[new])
+            todo = [int(i) for i, name in zip(new, names) if (group.kind, name) not in self._inflight]
+            claimed = [(group.kind, name) for i, name in zip(new, names)
+                       if (group.kind, name) not in self._inflight]
             self._inflight.update(claimed)
         stored = 0
         try:
@@ -206,8 +209,8 @@ class Engine:
                         self.host.free(group.nbytes, slots)
                     raise
                 with self._lock:
-                    self.index.publish(group.kind, [keys[i] for i in batch], [depths[i] for i in batch],
-                                       group.nbytes, Tier.HOST, slots, stamp)
+                    self.index.publish(group.kind, keys[batch], depths[batch], group.nbytes,
+                                       Tier.HOST, slots, stamp)
                 stored += len(batch)
         finally:
             with self._lock:
@@ -228,25 +231,25 @@ class Engine:
             self.transfer.gather(group.buffers, group.offsets, src, part)
 
     # -- match and load -----------------------------------------------------------------
-    def match(self, layout: Layout, keys: Sequence[PageKey]) -> Match:
+    def match(self, layout: Layout, keys: Keys) -> Match:
         with self._lock:
-            hit = self._match(layout, keys)
+            hit = self._match(layout, key_array(keys))
             self.counters["matches"] += 1
             self.counters["matched_pages"] += hit.match.pages
             return hit.match
 
-    def _match(self, layout: Layout, keys: Sequence[PageKey]) -> Hit:
+    def _match(self, layout: Layout, keys: np.ndarray) -> Hit:
         self._check_open()
         self.index.tick()
         hit = self.index.match(keys, layout.page_tokens, layout.needs_pages, layout.needs_checkpoint)
         self.index.touch(hit.rows)
         return hit
 
-    def load(self, buffers: WorkerBuffers, keys: Sequence[PageKey], rows: Sequence[int] = (),
+    def load(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
              slot: int | None = None) -> LoadResult:
         """Copy the longest hybrid match of `keys` (at most len(rows) pages) into `rows` and
         `slot`. Fails as a whole: a damaged entry is dropped and the load redone shorter."""
-        layout = buffers.layout
+        layout, keys = buffers.layout, key_array(keys)
         dst = row_ids(rows, layout.page_rows, "kv row", unique=True)
         limit = len(dst) if layout.needs_pages else len(keys)
         dst_slot = np.empty(0, np.int64)
@@ -271,13 +274,13 @@ class Engine:
                     self.counters["loads"] += 1
                     self.counters["loaded_pages"] += hit.match.pages
                 return LoadResult(hit.match, done.bytes_from, damaged)
-        return LoadResult(Match(0, 0, len(keys), (), None, StopReason.MISSING_PAGE), {}, damaged)
+        return LoadResult(Match(0, 0, len(keys), b"", None, StopReason.MISSING_PAGE), {}, damaged)
 
-    def prefetch(self, layout: Layout, keys: Sequence[PageKey]) -> int:
+    def prefetch(self, layout: Layout, keys: Keys) -> int:
         """Copy the disk-only entries of the hybrid match of `keys` into the host tier, so a
         load that follows finds them there. Returns how many entries moved."""
         with self._lock:
-            hit = self._match(layout, keys)
+            hit = self._match(layout, key_array(keys))
             if self.disk is None or hit.match.pages == 0:
                 return 0
             self.index.pin(hit.rows)
@@ -356,7 +359,7 @@ class Engine:
         assert self.disk is not None, "an entry in no memory tier must be on disk"
         damaged = []
         with self.disk.reader() as reader:
-            for row, key, target in zip(rows.tolist(), self.index.keys(rows), targets):
+            for row, key, target in zip(rows.tolist(), key_list(self.index.keys(rows)), targets):
                 view = reader.get(kind, key)
                 if view is None:
                     damaged.append(row)
@@ -401,7 +404,7 @@ class Engine:
         elif tier == Tier.DISK:
             assert self.disk is not None
             kinds = self.index.column("kind", rows).tolist()
-            self.disk.delete([(Kind(k), key) for k, key in zip(kinds, self.index.keys(rows))])
+            self.disk.delete([(Kind(k), key) for k, key in zip(kinds, key_list(self.index.keys(rows)))])
         self.index.unpublish(rows, tier)
 
     def _demote(self, rows: np.ndarray) -> int:
@@ -417,7 +420,7 @@ class Engine:
         slots = index.slots(rows, Tier.HOST)
         entries = [(Kind(kind), key, depth, self.host.pool(size).view(slot).numpy())
                    for kind, key, depth, size, slot in zip(
-                       index.column("kind", rows).tolist(), index.keys(rows),
+                       index.column("kind", rows).tolist(), key_list(index.keys(rows)),
                        index.column("depth", rows).tolist(), sizes.tolist(), slots.tolist())]
         index.pin(rows)  # not candidates for the disk evictions below
         try:
@@ -453,7 +456,7 @@ class Engine:
             if len(inside):
                 self._remove(inside, tier)
 
-    def evict(self, keys: Sequence[PageKey] | None = None, tier: Tier | None = None) -> int:
+    def evict(self, keys: Keys | None = None, tier: Tier | None = None) -> int:
         """Drop the pages and checkpoints named by `keys` (all entries if None) from `tier`
         (every tier if None); entries a load is reading stay. Returns how many entries
         were dropped from at least one tier."""
@@ -463,8 +466,8 @@ class Engine:
             if keys is None:
                 rows = np.unique(np.concatenate([self.index.rows_in(t) for t in tiers]))
             else:
-                found = [r for kind in Kind for r in self.index.rows_of(kind, keys) if r is not None]
-                rows = np.unique(np.asarray(found, np.int64))
+                found = np.concatenate([self.index.rows_of(kind, key_array(keys)) for kind in Kind])
+                rows = np.unique(found[found >= 0])
             rows = rows[self.index.column("pins", rows) == 0]
             dropped = np.zeros(len(rows), bool)
             for t in tiers:

@@ -13,7 +13,7 @@ import hashlib
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, NewType
+from typing import Any, Callable, NewType, Sequence
 
 import numpy as np
 import xxhash
@@ -104,6 +104,30 @@ def page_keys(tokens: Any, root: PageKey, page_tokens: int,
         prev = digest(prev + data[start:start + step])
         keys.append(PageKey(prev))
     return keys
+
+
+Keys = Sequence[PageKey] | bytes | np.ndarray
+"""Keys in any of three forms: a list of PageKey, their concatenation, or uint64 (n, 2)."""
+
+
+def key_array(keys: Keys) -> np.ndarray:
+    """Keys as a read-only uint64 array of shape (n, 2), each row one 16-byte key."""
+    if isinstance(keys, np.ndarray):
+        if keys.ndim != 2 or keys.shape[1] != 2 or keys.dtype != np.uint64:
+            raise InvalidArgument(f"a key array must be uint64 (n, 2), got {keys.dtype} {keys.shape}")
+        return keys
+    data = bytes(keys) if isinstance(keys, (bytes, bytearray, memoryview)) else b"".join(keys)
+    count = len(data) // KEY_BYTES if isinstance(keys, (bytes, bytearray, memoryview)) else len(keys)
+    if len(data) != count * KEY_BYTES:
+        raise InvalidArgument(f"keys must be {KEY_BYTES} bytes each: got {len(data)} bytes "
+                              f"for {count} keys")
+    return np.frombuffer(data, "<u8").reshape(-1, 2)
+
+
+def key_list(keys: np.ndarray) -> list[PageKey]:
+    """The inverse of key_array: one bytes object per key."""
+    data = np.ascontiguousarray(keys, "<u8").tobytes()
+    return [PageKey(data[i:i + KEY_BYTES]) for i in range(0, len(data), KEY_BYTES)]
 
 
 def key_hex(key: bytes, width: int = 8) -> str:

@@ -1,7 +1,8 @@
 """Which tiers hold which KV pages and checkpoints: a table with one row per entry.
 
-Columns are numpy arrays, so an entry costs a dict slot, its key and a few dozen bytes,
-and eviction scores all candidates of a tier in one vectorised pass. The index holds
+Keys live in a vectorised hash map (keymap.py) and every other field in numpy columns,
+so an entry costs about a hundred bytes, a match of thousands of pages is a few dozen
+numpy operations, and eviction scores all candidates of a tier in one pass. The index holds
 committed entries only: the engine publishes a tier after the bytes are in it
 (invariant 1) and pins rows while a load reads them (invariant 3). Not thread-safe: the
 engine serialises calls under its lock.
@@ -11,11 +12,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from tiercache.hashing import PageKey
+from tiercache.keymap import KeyMap
 
 
 class Tier(enum.IntFlag):
@@ -46,9 +47,13 @@ class Match:
     pages: int  # matched pages
     tokens: int  # matched tokens = pages * page_tokens
     prompt_pages: int  # full pages in the prompt
-    page_tiers: tuple[Tier, ...]  # best tier of each matched page (empty without paged buffers)
+    tier_codes: bytes  # best tier of each matched page, one Tier value a byte (none without paged buffers)
     checkpoint_tier: Tier | None  # best tier of the checkpoint at the last page, if one is needed
     stop: StopReason
+
+    @property
+    def page_tiers(self) -> tuple[Tier, ...]:
+        return tuple(Tier(code) for code in self.tier_codes)
 
 
 @dataclass(frozen=True)
@@ -76,57 +81,55 @@ class Candidates:
     nbytes: np.ndarray
 
 
-def best_tier(mask: int) -> Tier:
-    return Tier(mask & -mask)
+def best_tiers(masks: np.ndarray) -> np.ndarray:
+    """The best (lowest) tier bit of each mask."""
+    masks = masks.astype(np.int16)
+    return (masks & -masks).astype(np.uint8)
 
 
 class Index:
+    _DTYPES = {"kind": np.uint8, "tiers": np.uint8, "pins": np.uint32, "depth": np.uint32,
+               "nbytes": np.int64, "stamp": np.uint64, "slot_1": np.int32, "slot_2": np.int32,
+               "key_lo": np.uint64, "key_hi": np.uint64}
+
     def __init__(self, capacity: int = 1024) -> None:
-        self._rows: tuple[dict[PageKey, int], dict[PageKey, int]] = ({}, {})  # by Kind
-        self._keys: list[PageKey | None] = []
+        self._maps = (KeyMap(), KeyMap())  # by Kind
         self._free: list[int] = []
         self._clock = 0
         self._cols: dict[str, np.ndarray] = {}
+        self._capacity = 0
         self._grow(capacity)
         self.count = {t: 0 for t in TIERS}
         self.bytes = {t: 0 for t in TIERS}
 
-    # -- storage ------------------------------------------------------------------
-    _DTYPES = {"kind": np.uint8, "tiers": np.uint8, "pins": np.uint32, "depth": np.uint32,
-               "nbytes": np.int64, "stamp": np.uint64, "slot_1": np.int32, "slot_2": np.int32}
-
     def _grow(self, capacity: int) -> None:
-        old = len(self._keys)
+        old = self._capacity
         for name, dtype in self._DTYPES.items():
             col = np.zeros(capacity, dtype)
             if name in self._cols:
                 col[:old] = self._cols[name][:old]
             self._cols[name] = col
-        self._keys.extend([None] * (capacity - old))
         self._free.extend(range(capacity - 1, old - 1, -1))  # pop() hands out low rows first
+        self._capacity = capacity
 
     def _slot_column(self, tier: Tier) -> np.ndarray:
         return self._cols[f"slot_{int(tier)}"]
 
     def __len__(self) -> int:
-        return len(self._rows[0]) + len(self._rows[1])
+        return len(self._maps[0]) + len(self._maps[1])
 
     def tick(self) -> int:
         self._clock += 1
         return self._clock
 
     # -- lookups --------------------------------------------------------------------
-    def row(self, kind: Kind, key: PageKey) -> int | None:
-        return self._rows[kind].get(key)
+    def rows_of(self, kind: Kind, keys: np.ndarray) -> np.ndarray:
+        """The row of each key (uint64 array (n, 2)), -1 where absent."""
+        return self._maps[kind].lookup(keys)
 
-    def rows_of(self, kind: Kind, keys: Iterable[PageKey]) -> list[int | None]:
-        get = self._rows[kind].get
-        return [get(k) for k in keys]
-
-    def keys(self, rows: Iterable[int]) -> list[PageKey]:
-        found = [self._keys[int(r)] for r in rows]
-        assert all(k is not None for k in found), "a row is free"
-        return found  # type: ignore[return-value]
+    def keys(self, rows: np.ndarray) -> np.ndarray:
+        """The keys of rows, as a uint64 array (n, 2)."""
+        return np.stack([self._cols["key_lo"][rows], self._cols["key_hi"][rows]], axis=1)
 
     def column(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Values of one column (kind, tiers, pins, depth, nbytes, stamp) at `rows`."""
@@ -138,70 +141,54 @@ class Index:
     def in_tier(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
         return (self._cols["tiers"][rows] & int(tier)) != 0
 
-    def match(self, keys: Sequence[PageKey], page_tokens: int,
-              needs_pages: bool, needs_checkpoint: bool) -> Hit:
+    def match(self, keys: np.ndarray, page_tokens: int, needs_pages: bool,
+              needs_checkpoint: bool) -> Hit:
         """Largest n with pages k_1..k_n in some tier and, if needed, a checkpoint at k_n."""
-        page_rows: list[int] = []
-        if needs_pages:
-            get = self._rows[Kind.PAGE].get
-            for key in keys:
-                row = get(key)
-                if row is None:
-                    break
-                page_rows.append(row)
-            walked = len(page_rows)
-        else:
-            walked = len(keys)
+        page_rows = self._maps[Kind.PAGE].lookup(keys) if needs_pages else np.empty(0, np.int64)
+        missing = np.flatnonzero(page_rows < 0)
+        walked = int(missing[0]) if missing.size else len(keys)
         pages, checkpoint_row = walked, None
         if needs_checkpoint:
-            get = self._rows[Kind.CHECKPOINT].get
-            pages = 0
-            for n in range(walked, 0, -1):
-                checkpoint_row = get(keys[n - 1])
-                if checkpoint_row is not None:
-                    pages = n
-                    break
-        rows = np.asarray(page_rows[:pages], np.int64)
-        tiers = self._cols["tiers"][rows]
+            found = self._maps[Kind.CHECKPOINT].lookup(keys[:walked])
+            have = np.flatnonzero(found >= 0)
+            pages = int(have[-1]) + 1 if have.size else 0
+            checkpoint_row = int(found[pages - 1]) if pages else None
+        rows = page_rows[:pages] if needs_pages else page_rows
         if pages == len(keys):
             stop = StopReason.END_OF_PROMPT
         elif pages == walked:
             stop = StopReason.MISSING_PAGE
         else:
             stop = StopReason.NO_CHECKPOINT
+        tiers = self._cols["tiers"]
         match = Match(
             pages=pages, tokens=pages * page_tokens, prompt_pages=len(keys),
-            page_tiers=tuple(best_tier(int(t)) for t in tiers),
-            checkpoint_tier=None if checkpoint_row is None else best_tier(
-                int(self._cols["tiers"][checkpoint_row])),
+            tier_codes=best_tiers(tiers[rows]).tobytes(),
+            checkpoint_tier=None if checkpoint_row is None else Tier(
+                int(best_tiers(tiers[[checkpoint_row]])[0])),
             stop=stop)
         return Hit(match, rows, checkpoint_row)
 
     # -- updates ----------------------------------------------------------------------
-    def publish(self, kind: Kind, keys: Sequence[PageKey], depths: Sequence[int], nbytes: int,
+    def publish(self, kind: Kind, keys: np.ndarray, depths: Sequence[int], nbytes: int,
                 tier: Tier, slots: Sequence[int] | None = None, stamp: int | None = None) -> np.ndarray:
-        """Make `keys` visible in `tier`; call only once their bytes are completely there."""
-        kind, bit = int(kind), int(tier)
-        table, cols = self._rows[kind], self._cols
-        rows = np.empty(len(keys), np.int64)
-        new = []
-        for i, key in enumerate(keys):
-            row = table.get(key)
-            if row is None:
-                if not self._free:
-                    self._grow(2 * len(self._keys))
-                row = self._free.pop()
-                table[key] = row
-                self._keys[row] = key
-                new.append(i)
-            rows[i] = row
-        fresh = rows[new]
-        cols["kind"][fresh] = kind
-        cols["tiers"][fresh] = 0
-        cols["pins"][fresh] = 0
-        cols["depth"][fresh] = np.asarray(depths, np.int64)[new]
-        cols["nbytes"][fresh] = nbytes
-        if np.any(cols["nbytes"][rows] != nbytes):
+        """Make `keys` (distinct) visible in `tier`; call only once their bytes are all there."""
+        rows = self._maps[kind].lookup(keys)
+        new = np.flatnonzero(rows < 0)
+        if len(new):
+            if len(new) > len(self._free):
+                self._grow(max(2 * self._capacity, self._capacity + len(new)))
+            fresh = np.array([self._free.pop() for _ in range(len(new))], np.int64)
+            self._maps[kind].insert(keys[new], fresh)
+            rows[new] = fresh
+            cols = self._cols
+            cols["kind"][fresh] = int(kind)
+            cols["tiers"][fresh] = 0
+            cols["pins"][fresh] = 0
+            cols["depth"][fresh] = np.asarray(depths, np.int64)[new]
+            cols["nbytes"][fresh] = nbytes
+            cols["key_lo"][fresh], cols["key_hi"][fresh] = keys[new, 0], keys[new, 1]
+        if np.any(self._cols["nbytes"][rows] != nbytes):
             raise ValueError(f"an entry among {len(keys)} keys is not {nbytes} bytes")
         self.add_tier(rows, tier, slots, stamp)
         return rows
@@ -228,12 +215,12 @@ class Index:
         cols["tiers"][rows] &= ~np.uint8(bit)
         self.count[tier] -= len(rows)
         self.bytes[tier] -= int(cols["nbytes"][rows].sum())
-        for row in rows[cols["tiers"][rows] == 0].tolist():
-            key = self._keys[row]
-            assert key is not None
-            del self._rows[int(cols["kind"][row])][key]
-            self._keys[row] = None
-            self._free.append(row)
+        gone = rows[cols["tiers"][rows] == 0]
+        for kind in Kind:
+            leaving = gone[cols["kind"][gone] == kind]
+            if len(leaving):
+                self._maps[kind].delete(self.keys(leaving))
+        self._free.extend(gone.tolist())
 
     def touch(self, rows: np.ndarray) -> None:
         """Mark rows as used now. Of rows used together, deeper ones are evicted first."""
@@ -246,7 +233,6 @@ class Index:
         pins = self._cols["pins"]
         assert np.all(pins[rows] > 0), "unpin of a row that is not pinned"
         np.subtract.at(pins, rows, 1)
-
 
     def candidates(self, tier: Tier, nbytes: int | None = None) -> Candidates:
         """Unpinned rows in `tier` (of one entry size, if given)."""

@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from tiercache.hashing import Namespace, page_keys
+from tiercache.hashing import Namespace, key_array, page_keys
 from tiercache.index import Index, Kind, StopReason, Tier
 
-KEYS = page_keys(list(range(16 * 6)), Namespace("m", "fp").root(), 16)  # six pages k1..k6
+KEYS = key_array(page_keys(list(range(16 * 6)), Namespace("m", "fp").root(), 16))  # k1..k6
 
 
 def stored(pages=(), checkpoints=(), tier=Tier.HOST):
@@ -12,9 +12,9 @@ def stored(pages=(), checkpoints=(), tier=Tier.HOST):
     index = Index(capacity=2)  # tiny, so the table has to grow
     pages, checkpoints = list(pages), list(checkpoints)
     slots = tier in (Tier.HOST, Tier.DEVICE)
-    index.publish(Kind.PAGE, [KEYS[n - 1] for n in pages], pages, 100, tier,
+    index.publish(Kind.PAGE, KEYS[[n - 1 for n in pages]], pages, 100, tier,
                   slots=range(len(pages)) if slots else None)
-    index.publish(Kind.CHECKPOINT, [KEYS[n - 1] for n in checkpoints], checkpoints, 999, tier,
+    index.publish(Kind.CHECKPOINT, KEYS[[n - 1 for n in checkpoints]], checkpoints, 999, tier,
                   slots=range(100, 100 + len(checkpoints)) if slots else None)
     return index
 
@@ -76,26 +76,26 @@ def test_ssm_only_layout_takes_the_deepest_checkpoint():
 
 def test_best_tier_is_reported_per_page():
     index = stored(pages=[1, 2], checkpoints=[2], tier=Tier.DISK)
-    index.publish(Kind.PAGE, [KEYS[0]], [1], 100, Tier.HOST, slots=[7])  # page 1 also in host
+    index.publish(Kind.PAGE, KEYS[:1], [1], 100, Tier.HOST, slots=[7])  # page 1 also in host
     match = hybrid_match(index, KEYS[:2])
     assert match.page_tiers == (Tier.HOST, Tier.DISK) and match.checkpoint_tier == Tier.DISK
 
 
 def test_unpublish_removes_an_entry_left_in_no_tier():
     index = stored(pages=[1], tier=Tier.HOST)
-    row = np.array([index.row(Kind.PAGE, KEYS[0])])
+    row = index.rows_of(Kind.PAGE, KEYS[:1])
     index.add_tier(row, Tier.DISK)
     index.unpublish(row, Tier.HOST)
     assert list(index.column("tiers", row)) == [Tier.DISK] and index.count[Tier.HOST] == 0
     index.unpublish(row, Tier.DISK)
-    assert index.row(Kind.PAGE, KEYS[0]) is None and len(index) == 0
+    assert list(index.rows_of(Kind.PAGE, KEYS[:1])) == [-1] and len(index) == 0
 
 
 def test_pinned_rows_are_not_eviction_candidates_and_cannot_be_unpublished():
     index = stored(pages=[1, 2, 3])
-    rows = np.array([index.row(Kind.PAGE, KEYS[0]), index.row(Kind.PAGE, KEYS[1])])
+    rows = index.rows_of(Kind.PAGE, KEYS[:2])
     index.pin(rows)
-    assert list(index.candidates(Tier.HOST).rows) == [index.row(Kind.PAGE, KEYS[2])]
+    assert list(index.candidates(Tier.HOST).rows) == list(index.rows_of(Kind.PAGE, KEYS[2:3]))
     with pytest.raises(AssertionError, match="pinned"):
         index.unpublish(rows[:1], Tier.HOST)
     index.unpin(rows)
@@ -105,6 +105,6 @@ def test_pinned_rows_are_not_eviction_candidates_and_cannot_be_unpublished():
 def test_publishing_twice_in_a_tier_or_with_another_size_is_a_bug():
     index = stored(pages=[1])
     with pytest.raises(ValueError, match="already published"):
-        index.publish(Kind.PAGE, [KEYS[0]], [1], 100, Tier.HOST, slots=[3])
+        index.publish(Kind.PAGE, KEYS[:1], [1], 100, Tier.HOST, slots=[3])
     with pytest.raises(ValueError, match="bytes"):
-        index.publish(Kind.PAGE, [KEYS[0]], [1], 101, Tier.DISK)
+        index.publish(Kind.PAGE, KEYS[:1], [1], 101, Tier.DISK)

@@ -1,0 +1,45 @@
+import numpy as np
+
+from tiercache.keymap import KeyMap
+
+
+def random_keys(rng, n):
+    return rng.integers(0, 2**63, (n, 2), dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, (n, 2), dtype=np.uint64)
+
+
+def test_lookups_follow_a_dict_through_inserts_deletes_and_rehashes():
+    rng = np.random.default_rng(0)
+    keymap, model = KeyMap(), {}
+    pool = random_keys(rng, 5000)
+    for step in range(60):
+        # insert a batch of absent keys, delete a batch of present ones, then compare all
+        absent = [i for i in rng.permutation(len(pool))[:300] if i not in model][:200]
+        rows = rng.integers(0, 2**31 - 1, len(absent))
+        keymap.insert(pool[absent], rows)
+        model.update(zip(absent, rows.tolist()))
+        present = list(model)
+        gone = [present[i] for i in rng.permutation(len(present))[:150]]
+        keymap.delete(pool[gone])
+        for i in gone:
+            del model[i]
+        expected = np.array([model.get(i, -1) for i in range(len(pool))])
+        assert np.array_equal(keymap.lookup(pool), expected), f"step {step}"
+        assert len(keymap) == len(model)
+
+
+def test_keys_that_share_their_low_half_are_told_apart():
+    keys = np.array([[7, 1], [7, 2], [7 + 1024, 3], [8, 1]], np.uint64)
+    keymap = KeyMap()
+    keymap.insert(keys[:3], np.array([10, 20, 30]))
+    assert list(keymap.lookup(keys)) == [10, 20, 30, -1]
+    keymap.delete(keys[1:2])
+    assert list(keymap.lookup(keys)) == [10, -1, 30, -1]  # probing goes past the tombstone
+    keymap.insert(keys[3:], np.array([40]))
+    assert list(keymap.lookup(keys)) == [10, -1, 30, 40]
+
+
+def test_a_batch_that_collides_with_itself_lands_in_distinct_slots():
+    keys = np.array([[5 + 1024 * i, i] for i in range(50)], np.uint64)  # all hash to slot 5
+    keymap = KeyMap()
+    keymap.insert(keys, np.arange(50))
+    assert list(keymap.lookup(keys)) == list(range(50))
