@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from itertools import groupby
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -47,6 +47,11 @@ class StoreResult:
     stored: int  # entries written now
     present: int  # entries that were cached already (their last use is refreshed)
     skipped: int  # entries left out for lack of room
+    checkpoints: tuple[int, ...] = ()  # page counts whose checkpoint is now cached
+
+    def __add__(self, other: "StoreResult") -> "StoreResult":
+        return StoreResult(self.stored + other.stored, self.present + other.present,
+                           self.skipped + other.skipped, self.checkpoints + other.checkpoints)
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,26 @@ class Engine:
             raise FailedPrecondition("the engine is closed: open a new one with Engine.open")
 
     # -- store ------------------------------------------------------------------------
+    def store(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
+              checkpoints: Mapping[int, int] | None = None) -> StoreResult:
+        """Store a prompt after prefill: its KV pages (keys[i] from rows[i]; none for a
+        layout without paged buffers) and the checkpoints offered, {pages: state slot},
+        each the state after that many pages."""
+        chain = key_array(keys)
+        offered = dict(checkpoints or {})
+        bad = [n for n in offered if not 0 < n <= len(chain)]
+        if bad:
+            raise InvalidArgument(f"checkpoint at page {bad[0]} is outside the prompt's "
+                                  f"{len(chain)} full pages")
+        result = StoreResult(0, 0, 0)
+        if buffers.layout.needs_pages:
+            result += self.store_pages(buffers, chain, rows)
+        elif len(rows):
+            raise InvalidArgument("this layout has no paged buffers: give no kv rows")
+        for pages, slot in sorted(offered.items()):
+            result += self.store_checkpoint(buffers, chain[:pages], slot)
+        return result
+
     def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int]) -> StoreResult:
         """Store the KV pages of a prompt: keys[i] (page i+1 of the chain) from rows[i]."""
         if not buffers.layout.needs_pages:
@@ -179,7 +204,9 @@ class Engine:
         if not len(chain):
             raise InvalidArgument("a checkpoint needs the page keys of its prefix, got none")
         src = row_ids([slot], buffers.layout.slot_rows, "state slot")
-        return self._store(_checkpoints(buffers), chain[-1:], np.array([len(chain)]), src)
+        result = self._store(_checkpoints(buffers), chain[-1:], np.array([len(chain)]), src)
+        kept = (len(chain),) if result.stored or result.present else ()
+        return StoreResult(result.stored, result.present, result.skipped, kept)
 
     def _store(self, group: _Group, keys: np.ndarray, depths: np.ndarray,
                src: np.ndarray) -> StoreResult:

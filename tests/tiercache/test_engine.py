@@ -267,3 +267,16 @@ def test_a_closed_engine_refuses_every_call():
                  lambda: engine.store_checkpoint(worker, keys, 0), engine.flush, engine.evict):
         with pytest.raises(FailedPrecondition, match="closed"):
             call()
+
+
+def test_store_takes_pages_and_the_checkpoints_offered_in_one_call():
+    engine = open_engine()
+    worker = random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=1, pages=6)
+    result = engine.store(worker, keys, range(6), checkpoints={3: 0, 6: 1})
+    assert (result.stored, result.present, result.checkpoints) == (8, 0, (3, 6))
+    again = engine.store(worker, keys, range(6), checkpoints={6: 1})
+    assert (again.stored, again.present, again.checkpoints) == (0, 7, (6,))
+    assert engine.match(LAYOUT, keys).pages == 6
+    with pytest.raises(InvalidArgument, match="checkpoint at page 7"):
+        engine.store(worker, keys, range(6), checkpoints={7: 0})
