@@ -25,8 +25,9 @@ from tiercache.hashing import Keys, PageKey, key_array, key_list
 from tiercache.index import Hit, Index, Kind, Match, StopReason, Tier
 from tiercache.layout import Layout
 from tiercache.policy import make_policy
+from tiercache.tiering import Tiering
 from tiercache.tiers.arena import SlabPart, SlotArena
-from tiercache.tiers.disk import DiskConfig, DiskFull, DiskTier, as_array
+from tiercache.tiers.disk import DiskConfig, DiskTier
 from tiercache.tiers.host import HostConfig, host_arena
 from tiercache.transfer import CpuTransfer
 
@@ -107,7 +108,6 @@ class Engine:
         self.index = index
         self.host = host
         self.disk = disk
-        self.policy = make_policy(config.policy)
         self.transfer = CpuTransfer(config.copy_threads)
         self._lock = threading.RLock()
         self._inflight: set[tuple[Kind, PageKey]] = set()
@@ -115,6 +115,8 @@ class Engine:
         self.counters: dict[str, int] = dict.fromkeys(
             ["matches", "matched_pages", "stored_pages", "stored_checkpoints", "skipped_entries",
              "loads", "loaded_pages", "demoted", "promoted", "evicted_host", "evicted_disk"], 0)
+        self.tiers = Tiering(index, host, disk, make_policy(config.policy), self.counters,
+                             config.evict_slack)
 
     @classmethod
     def open(cls, config: EngineConfig = EngineConfig()) -> "Engine":
@@ -145,7 +147,7 @@ class Engine:
             if self.disk is None:
                 return 0
             rows = np.setdiff1d(self.index.rows_in(Tier.HOST), self.index.rows_in(Tier.DISK))
-            return self._demote(rows)
+            return self.tiers.demote(rows)
 
     def close(self, flush: bool = True) -> None:
         """Flush the host tier to disk (unless told not to) and release everything.
@@ -225,7 +227,7 @@ class Engine:
         try:
             while stored < len(todo):  # in batches: each one may push the last out to disk
                 with self._lock:
-                    slots = self._reserve(group.nbytes, len(todo) - stored)
+                    slots = self.tiers.reserve(group.nbytes, len(todo) - stored)
                 if not slots:
                     break
                 batch = todo[stored:stored + len(slots)]  # shallow pages first
@@ -345,7 +347,7 @@ class Engine:
                         self.index.add_tier(rows, Tier.HOST, slots)
                         done.promoted += len(rows)
                 self.counters["promoted"] += done.promoted
-                self._drop(np.asarray(damaged, np.int64))
+                self.tiers.drop(np.asarray(damaged, np.int64))
         done.damaged = len(damaged)
         return done
 
@@ -360,13 +362,13 @@ class Engine:
             in_host = self.index.in_tier(entry_rows, Tier.HOST)
             slots = np.where(in_host, self.index.slots(entry_rows, Tier.HOST), -1)
             from_disk = np.flatnonzero(~in_host)
-            promo = self._reserve(nbytes, len(from_disk)) if len(from_disk) else []
+            promo = self.tiers.reserve(nbytes, len(from_disk)) if len(from_disk) else []
         if not staging_ok:
             from_disk = from_disk[:len(promo)]
         pool = self.host.pool(nbytes)
         staging = torch.empty((len(from_disk) - len(promo), nbytes), dtype=torch.uint8)
         if len(from_disk):
-            bad = self._read_disk(group.kind, entry_rows[from_disk],
+            bad = self.tiers.read_disk(group.kind, entry_rows[from_disk],
                                   [pool.view(s) for s in promo] + list(staging))
             if bad:
                 damaged.extend(bad)
@@ -380,108 +382,6 @@ class Engine:
         if len(staging):
             parts.append(SlabPart(staging, np.arange(len(staging)), from_disk[len(promo):]))
         return parts, len(from_disk)
-
-    def _read_disk(self, kind: Kind, rows: np.ndarray, targets: list[torch.Tensor]) -> list[int]:
-        """Copy verified disk entries into `targets`; returns the rows found damaged."""
-        assert self.disk is not None, "an entry in no memory tier must be on disk"
-        damaged = []
-        with self.disk.reader() as reader:
-            for row, key, target in zip(rows.tolist(), key_list(self.index.keys(rows)), targets):
-                view = reader.get(kind, key)
-                if view is None:
-                    damaged.append(row)
-                else:
-                    target.numpy()[:] = as_array(view)
-        return damaged
-
-    # -- room and eviction ----------------------------------------------------------------
-    def _reserve(self, nbytes: int, count: int) -> list[int]:
-        """Up to `count` host slots of `nbytes`, evicting (and demoting) cold entries for room."""
-        slots = self.host.alloc(nbytes, count)
-        while len(slots) < count and self.host.fits(nbytes):
-            want = max((count - len(slots)) * nbytes, int(self.host.budget_bytes * self.config.evict_slack))
-            if not self._evict(Tier.HOST, want, nbytes):
-                break
-            slots += self.host.alloc(nbytes, count - len(slots))
-        return slots
-
-    def _evict(self, tier: Tier, want_bytes: int, nbytes: int | None = None) -> int:
-        """Free about `want_bytes` of `tier`, coldest first; host entries move to disk first.
-        Prefers entries of `nbytes` (their slots are what the caller needs)."""
-        candidates = self.index.candidates(tier, nbytes)
-        if nbytes is not None and not len(candidates.rows):
-            candidates = self.index.candidates(tier)  # other sizes: their slabs may empty
-        order = self.policy.order(candidates)
-        sizes = np.cumsum(candidates.nbytes[order])
-        victims = candidates.rows[order][:int(np.searchsorted(sizes, want_bytes)) + 1]
-        if not len(victims):
-            return 0
-        if tier == Tier.HOST and self.disk is not None:
-            self._demote(victims)
-        self._remove(victims, tier)
-        self.counters["evicted_" + tier.name.lower()] += len(victims)
-        return int(sizes[len(victims) - 1])
-
-    def _remove(self, rows: np.ndarray, tier: Tier) -> None:
-        """Take unpinned entries out of one tier and give back their room."""
-        if tier == Tier.HOST:
-            slots, sizes = self.index.slots(rows, Tier.HOST), self.index.column("nbytes", rows)
-            for size in np.unique(sizes).tolist():
-                self.host.free(size, slots[sizes == size].tolist())
-        elif tier == Tier.DISK:
-            assert self.disk is not None
-            kinds = self.index.column("kind", rows).tolist()
-            self.disk.delete([(Kind(k), key) for k, key in zip(kinds, key_list(self.index.keys(rows)))])
-        self.index.unpublish(rows, tier)
-
-    def _demote(self, rows: np.ndarray) -> int:
-        """Write host entries to disk (those not there yet) in one transaction; returns how
-        many were written (0 when they cannot fit the disk tier)."""
-        assert self.disk is not None
-        index = self.index
-        rows = rows[~index.in_tier(rows, Tier.DISK)]
-        sizes = index.column("nbytes", rows)
-        total = int(sizes.sum())
-        if not len(rows) or total > self.disk.budget_bytes:
-            return 0
-        slots = index.slots(rows, Tier.HOST)
-        entries = [(Kind(kind), key, depth, self.host.pool(size).view(slot).numpy())
-                   for kind, key, depth, size, slot in zip(
-                       index.column("kind", rows).tolist(), key_list(index.keys(rows)),
-                       index.column("depth", rows).tolist(), sizes.tolist(), slots.tolist())]
-        index.pin(rows)  # not candidates for the disk evictions below
-        try:
-            written = self._write_disk(entries, total)
-        finally:
-            index.unpin(rows)
-        if written:
-            index.add_tier(rows, Tier.DISK)
-            self.counters["demoted"] += len(rows)
-        return len(rows) if written else 0
-
-    def _write_disk(self, entries: list, total: int) -> bool:
-        """Make room for `total` bytes on disk and write the entries in one transaction."""
-        assert self.disk is not None
-        over = self.disk.used_bytes + total - self.disk.budget_bytes
-        if over > 0:
-            self._evict(Tier.DISK, over)
-        for _ in range(_LOAD_ATTEMPTS):
-            try:
-                self.disk.write(entries)
-                return True
-            except DiskFull:  # LMDB's own overhead beyond the budget: make more room, retry
-                if not self._evict(Tier.DISK, max(total, self.disk.budget_bytes // 10)):
-                    return False
-        return False
-
-    def _drop(self, rows: np.ndarray) -> None:
-        """Remove damaged entries from every tier. One a load is still reading stays:
-        that load finds out for itself and drops it when it ends."""
-        rows = rows[self.index.column("pins", rows) == 0]
-        for tier in (Tier.HOST, Tier.DISK):
-            inside = rows[self.index.in_tier(rows, tier)]
-            if len(inside):
-                self._remove(inside, tier)
 
     def evict(self, keys: Keys | None = None, tier: Tier | None = None) -> int:
         """Drop the pages and checkpoints named by `keys` (all entries if None) from `tier`
@@ -501,7 +401,7 @@ class Engine:
                 inside = self.index.in_tier(rows, t)
                 dropped |= inside
                 if inside.any():
-                    self._remove(rows[inside], t)
+                    self.tiers.remove(rows[inside], t)
             return int(dropped.sum())
 
     def stats(self) -> EngineStats:

@@ -1,4 +1,3 @@
-import numpy as np
 import pytest
 
 from tiercache.hashing import Namespace, key_array, page_keys
