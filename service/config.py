@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from tiercache.engine import EngineConfig
 from tiercache.errors import InvalidArgument
+from tiercache.policy import make_policy
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
 
@@ -63,6 +64,7 @@ class ServiceConfig:
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be positive, got {getattr(self, name)}")
         self.engine()  # the engine's own checks
+        make_policy(self.policy)
         return self
 
 

@@ -76,9 +76,6 @@ CASES = {
         pb.EvictRequest(worker_id=w._backend._id, keys=keys_of(w), tier=3))),
     "unregister, unknown worker": (CODE.NOT_FOUND, lambda s, w: s.Unregister(
         pb.UnregisterRequest(worker_id="nobody"))),
-    "expired deadline": (CODE.DEADLINE_EXCEEDED, lambda s, w: s.Store(
-        pb.StoreRequest(worker_id=w._backend._id, keys=keys_of(w, list(range(96))), kv_rows=range(6)),
-        timeout=1e-9)),
 }
 
 
