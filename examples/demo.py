@@ -10,16 +10,13 @@ checked byte for byte against a recompute.
 from __future__ import annotations
 
 import multiprocessing
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
 import torch
 import xxhash
 
+from service.process import spawn
 from tiercache.client import Client
 from tiercache.layout import BufferSpec, Layout
 
@@ -81,13 +78,12 @@ def bar(done: int, total: int, width: int = 30) -> str:
 
 
 def main() -> None:
-    folder = tempfile.mkdtemp(prefix="tiercache-demo-")
-    socket = os.path.join(folder, "tiercache.sock")
-    daemon = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--data-dir", folder,
-                               "--socket", socket, "--host-budget", "256MiB"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    print(daemon.stdout.readline().strip())
-    address = f"unix:{socket}"
+    with spawn(tempfile.mkdtemp(prefix="tiercache-demo-"), "--host-budget", "256MiB") as (address, _):
+        print(f"tiercache listening on {address}")
+        run(address)
+
+
+def run(address: str) -> None:
     progress: multiprocessing.Queue = multiprocessing.Queue()
     workers = [multiprocessing.Process(target=converse, args=(address, n, progress)) for n in range(2)]
     for w in workers:
@@ -110,8 +106,6 @@ def main() -> None:
     for tier in stats.tiers:
         print(f"  {tier.tier.name.lower():5} {tier.entries:6} entries  {tier.used_bytes / 2**20:8.1f} MiB "
               f"of {tier.budget_bytes / 2**20:.0f} MiB")
-    daemon.send_signal(signal.SIGTERM)
-    daemon.wait()
 
 
 if __name__ == "__main__":

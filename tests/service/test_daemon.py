@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 
-import pytest
 
 from tests.service.daemon import ROOT, running_daemon
 from tiercache.client import Client
