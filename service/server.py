@@ -17,6 +17,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from service.config import ServiceConfig
@@ -103,6 +104,9 @@ def _bind_socket(server: grpc.Server, path: str) -> str:
 
 def serve(config: ServiceConfig) -> int:
     """Run until SIGTERM or SIGINT; returns the process exit code."""
+    # Copies run on the engine's own few threads; torch's OpenMP pool would only spin
+    # between them and take CPU from the gRPC threads and the workers next door.
+    torch.set_num_threads(1)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -48,12 +48,15 @@ class CpuTransfer:
                rows: np.ndarray, part: SlabPart) -> None:
         """part.slab[part.local[i], entry bytes of buffer b] = buffers[b][rows[part.positions[i]]]."""
         slots, rows = _by_slot(part, rows)
-        for buffer, at in zip(buffers, offsets):
+        index = torch.from_numpy(rows)
+
+        def copy(buffer: torch.Tensor, at: int) -> Callable[[], None]:
             width = buffer.shape[1]
-            if isinstance(slots, slice):  # straight into the strided slice: torch's own threads
-                torch.index_select(buffer, 0, torch.from_numpy(rows), out=part.slab[slots, at:at + width])
-            else:
-                part.slab.numpy()[slots, at:at + width] = buffer.numpy()[rows]
+            if isinstance(slots, slice):  # straight into the strided slice, one pass
+                return lambda: torch.index_select(buffer, 0, index, out=part.slab[slots, at:at + width])
+            return lambda: part.slab.numpy().__setitem__((slots, slice(at, at + width)),
+                                                         buffer.numpy()[rows])
+        self._each([copy(b, at) for b, at in zip(buffers, offsets)])
 
     def scatter(self, part: SlabPart, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
                 rows: np.ndarray) -> None:
