@@ -68,7 +68,7 @@ def _free_socket(path: str) -> None:
 
 def start(config: ServiceConfig) -> Daemon:
     engine = Engine.open(config.engine())
-    registry = WorkerRegistry(config.max_workers)
+    registry = WorkerRegistry(config.max_workers, engine.quiesce)
     servicer = TiercacheServicer(engine, registry, config.max_prompt_pages)
     # every registered worker holds one stream (and one thread) open for its lifetime
     calls = config.max_concurrent_rpcs + config.max_workers

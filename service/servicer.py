@@ -8,8 +8,9 @@ from typing import Iterator
 
 import grpc
 import numpy as np
+import torch
 
-from service.workers import WorkerRegistry
+from service.workers import Registration, WorkerRegistry
 from tiercache.engine import Engine
 from tiercache.errors import DeadlineExceeded, InvalidArgument
 from tiercache.hashing import KEY_BYTES
@@ -17,6 +18,19 @@ from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 from tiercache.wire import (load_to_proto, match_to_proto, store_to_proto, tier_from_proto,
                             tier_stats_to_proto)
+
+
+def _event(handle: bytes, worker: Registration) -> torch.cuda.Event | None:
+    """The worker's interprocess CUDA event named by `handle`, if any."""
+    if not handle:
+        return None
+    device = worker.buffers.device if worker.buffers is not None else None
+    if device is None or device.type != "cuda":
+        raise InvalidArgument("ready_event is for workers whose buffers are on a GPU")
+    try:
+        return torch.cuda.Event.from_ipc_handle(device, handle)
+    except RuntimeError as error:
+        raise InvalidArgument(f"ready_event is not a CUDA IPC event handle: {error}") from None
 
 
 class TiercacheServicer(pb_grpc.TiercacheServicer):
@@ -74,7 +88,9 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         keys = self._keys(request.keys, context)
         with self.registry.use(request.worker_id) as worker:
             slot = request.slot if request.HasField("slot") else None
-            result = self.engine.load(worker.buffers, keys, np.asarray(request.kv_rows, np.int64), slot)
+            result = self.engine.load(worker.buffers, keys, np.asarray(request.kv_rows, np.int64), slot,
+                                      ready=_event(request.ready_event, worker),
+                                      asynchronous=request.asynchronous)
         return load_to_proto(result)
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
@@ -84,7 +100,7 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
         with self.registry.use(request.worker_id) as worker:
             result = self.engine.store(worker.buffers, keys, np.asarray(request.kv_rows, np.int64),
-                                       checkpoints)
+                                       checkpoints, ready=_event(request.ready_event, worker))
         return store_to_proto(result)
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:

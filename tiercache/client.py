@@ -8,6 +8,12 @@
 
 Checkpoints are offered by token position (a multiple of the page size): the state
 after that many tokens, in the given state slot.
+
+GPU workers pass their own CUDA tensors to `register(..., buffers=...)`; the daemon maps
+them by CUDA IPC. Their copies are ordered with the worker's current CUDA stream in both
+directions, without host synchronisation: the daemon starts after an event recorded on
+that stream, and a load returns at once with the stream already waiting on the event
+that marks the bytes in place (pass `synchronous=True` to wait on the host instead).
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 import grpc
-import numpy as np
 import torch
 
 from tiercache.buffers import WorkerBuffers
@@ -47,7 +52,7 @@ class Backend(Protocol):
     """What a Worker needs from the cache, with keys packed as bytes."""
 
     def match(self, keys: bytes, prefetch: bool) -> Match: ...
-    def load(self, keys: bytes, rows: Sequence[int], slot: int | None) -> LoadResult: ...
+    def load(self, keys: bytes, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult: ...
     def store(self, keys: bytes, rows: Sequence[int], checkpoints: Mapping[int, int]) -> StoreResult: ...
     def evict(self, keys: bytes, tier: Tier | None) -> int: ...
     def close(self) -> None: ...
@@ -78,9 +83,10 @@ class Worker:
         return self._backend.match(self._packed(tokens, keys), prefetch)
 
     def load(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
-             slot: int | None = None) -> LoadResult:
-        """Copy the longest hybrid match (at most len(kv_rows) pages) into kv_rows and slot."""
-        return self._backend.load(self._packed(tokens, keys), list(kv_rows), slot)
+             slot: int | None = None, synchronous: bool = False) -> LoadResult:
+        """Copy the longest hybrid match (at most len(kv_rows) pages) into kv_rows and slot.
+        On a GPU the current stream is made to wait for the copies (see the module doc)."""
+        return self._backend.load(self._packed(tokens, keys), list(kv_rows), slot, synchronous)
 
     def store(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
               checkpoints: Mapping[int, int] | None = None) -> StoreResult:
@@ -115,23 +121,44 @@ def _rpc(call: Callable[[], T]) -> T:
         raise error_of(error) from None
 
 
+def _ready_event(device: torch.device | None) -> torch.cuda.Event | None:
+    """An interprocess event after everything queued so far on the current stream."""
+    if device is None:
+        return None
+    event = torch.cuda.Event(interprocess=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class _Remote:
     def __init__(self, stub: pb_grpc.TiercacheStub, worker_id: str, stream: Any,
-                 shared: SharedBuffers, timeout: float) -> None:
+                 shared: SharedBuffers | None, device: torch.device | None, timeout: float) -> None:
         self._stub, self._id, self._stream = stub, worker_id, stream
-        self._shared, self._timeout = shared, timeout
+        self._shared, self._device, self._timeout = shared, device, timeout
 
     def match(self, keys: bytes, prefetch: bool) -> Match:
         request = pb.MatchRequest(worker_id=self._id, keys=keys, prefetch=prefetch)
         return match_from_proto(_rpc(lambda: self._stub.Match(request, timeout=self._timeout)).match)
 
-    def load(self, keys: bytes, rows: Sequence[int], slot: int | None) -> LoadResult:
-        request = pb.LoadRequest(worker_id=self._id, keys=keys, kv_rows=rows, slot=slot)
-        return load_from_proto(_rpc(lambda: self._stub.Load(request, timeout=self._timeout)))
+    def load(self, keys: bytes, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult:
+        ready = _ready_event(self._device)
+        request = pb.LoadRequest(worker_id=self._id, keys=keys, kv_rows=rows, slot=slot,
+                                 ready_event=ready.ipc_handle() if ready else b"",
+                                 asynchronous=ready is not None and not synchronous)
+        reply = _rpc(lambda: self._stub.Load(request, timeout=self._timeout))
+        result = load_from_proto(reply)
+        if reply.done_event:
+            done = torch.cuda.Event.from_ipc_handle(self._device, reply.done_event)
+            torch.cuda.current_stream(self._device).wait_event(done)
+            result = LoadResult(result.match, result.bytes_from, result.damaged, done)
+        return result
 
     def store(self, keys: bytes, rows: Sequence[int], checkpoints: Mapping[int, int]) -> StoreResult:
-        request = pb.StoreRequest(worker_id=self._id, keys=keys, kv_rows=rows, checkpoints=[
-            pb.Checkpoint(pages=n, slot=s) for n, s in sorted(checkpoints.items())])
+        ready = _ready_event(self._device)
+        request = pb.StoreRequest(worker_id=self._id, keys=keys, kv_rows=rows,
+                                  ready_event=ready.ipc_handle() if ready else b"",
+                                  checkpoints=[pb.Checkpoint(pages=n, slot=s)
+                                               for n, s in sorted(checkpoints.items())])
         return store_from_proto(_rpc(lambda: self._stub.Store(request, timeout=self._timeout)))
 
     def evict(self, keys: bytes, tier: Tier | None) -> int:
@@ -140,7 +167,8 @@ class _Remote:
 
     def close(self) -> None:
         self._stream.cancel()  # ends the registration: the daemon unmaps the buffers
-        self._shared.close()
+        if self._shared is not None:
+            self._shared.close()
 
 
 class Client:
@@ -156,24 +184,33 @@ class Client:
         self._stub = pb_grpc.TiercacheStub(self._channel)
 
     def register(self, model_id: str, layout: Layout, extra_keys: Sequence[str] = (),
-                 hash_name: str = "xxh3_128") -> Worker:
-        """Allocate the layout's buffers in shared memory and register them."""
-        shared = SharedBuffers.create(layout)
-        request = pb.RegisterRequest(
-            model_id=model_id, layout=layout_to_proto(layout), extra_keys=extra_keys, hash=hash_name,
-            buffers=[pb.BufferLocation(name=p.spec.name, nbytes=p.nbytes,
-                                       shm=pb.SharedMemoryBuffer(name=shared.name, offset=p.offset))
-                     for p in shared.placements])
+                 hash_name: str = "xxh3_128",
+                 buffers: Mapping[str, torch.Tensor] | None = None) -> Worker:
+        """Register a worker. Without `buffers`, the layout's buffers are allocated in
+        shared memory (worker.paged / worker.slots); GPU workers pass their CUDA tensors."""
+        shared, device = None, None
+        if buffers is None:
+            shared = SharedBuffers.create(layout)
+            tensors = shared.tensors
+            locations = [pb.BufferLocation(name=p.spec.name, nbytes=p.nbytes,
+                                           shm=pb.SharedMemoryBuffer(name=shared.name, offset=p.offset))
+                         for p in shared.placements]
+        else:
+            tensors, locations = dict(buffers), _cuda_locations(buffers)
+            device = next(iter(tensors.values())).device
+        request = pb.RegisterRequest(model_id=model_id, layout=layout_to_proto(layout),
+                                     extra_keys=extra_keys, hash=hash_name, buffers=locations)
         try:
             stream: Iterator[pb.RegisterResponse] = self._stub.Register(request)
             reply = _rpc(lambda: next(stream))
         except (TiercacheError, StopIteration) as error:
-            shared.close()
+            if shared is not None:
+                shared.close()
             if isinstance(error, StopIteration):
                 raise Unavailable(f"the daemon at {self.address} closed the registration") from None
             raise
-        backend = _Remote(self._stub, reply.worker_id, stream, shared, self.timeout)
-        return Worker(backend, layout, PageKey(reply.namespace_root), reply.hash, shared.tensors)
+        backend = _Remote(self._stub, reply.worker_id, stream, shared, device, self.timeout)
+        return Worker(backend, layout, PageKey(reply.namespace_root), reply.hash, tensors)
 
     def stats(self) -> CacheStats:
         reply = _rpc(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout))
@@ -182,6 +219,20 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+
+
+def _cuda_locations(buffers: Mapping[str, torch.Tensor]) -> list[pb.BufferLocation]:
+    if not all(t.is_cuda for t in buffers.values()):
+        raise InvalidArgument("buffers passed to register must be CUDA tensors; for CPU workers "
+                              "register without buffers and compute in worker.paged / worker.slots "
+                              "(shared memory the daemon can map)")
+    from tiercache import cuda_ipc  # needs cuda-bindings: GPU machines only
+    locations = []
+    for name, tensor in buffers.items():
+        exported = cuda_ipc.export(tensor)
+        locations.append(pb.BufferLocation(name=name, nbytes=exported.nbytes, cuda=pb.CudaIpcBuffer(
+            handle=exported.handle, offset=exported.offset, device_uuid=exported.device_uuid)))
+    return locations
 
 
 # -- in-process ------------------------------------------------------------------------
@@ -195,11 +246,17 @@ class _Embedded:
             self._engine.prefetch(self._buffers.layout, key_array(keys)[:match.pages])
         return match
 
-    def load(self, keys: bytes, rows: Sequence[int], slot: int | None) -> LoadResult:
-        return self._engine.load(self._buffers, keys, rows, slot)
+    def load(self, keys: bytes, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult:
+        device = self._buffers.device if self._buffers.device.type == "cuda" else None
+        result = self._engine.load(self._buffers, keys, rows, slot, ready=_ready_event(device),
+                                   asynchronous=device is not None and not synchronous)
+        if result.done is not None:
+            torch.cuda.current_stream(device).wait_event(result.done)
+        return result
 
     def store(self, keys: bytes, rows: Sequence[int], checkpoints: Mapping[int, int]) -> StoreResult:
-        return self._engine.store(self._buffers, keys, rows, checkpoints)
+        device = self._buffers.device if self._buffers.device.type == "cuda" else None
+        return self._engine.store(self._buffers, keys, rows, checkpoints, ready=_ready_event(device))
 
     def evict(self, keys: bytes, tier: Tier | None) -> int:
         return self._engine.evict(keys, tier)

@@ -12,9 +12,10 @@ or out of pinned entries.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from itertools import groupby
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -29,7 +30,9 @@ from tiercache.tiering import Tiering
 from tiercache.tiers.arena import SlabPart, SlotArena
 from tiercache.tiers.disk import DiskConfig, DiskTier
 from tiercache.tiers.host import HostConfig, host_arena
-from tiercache.transfer import CpuTransfer
+from tiercache.transfer import CpuTransfer, CudaTransfer
+
+Transfer = CpuTransfer | CudaTransfer
 
 _LOAD_ATTEMPTS = 4  # a damaged entry found during a load drops it and retries the load
 
@@ -60,6 +63,7 @@ class LoadResult:
     match: Match  # what is now in the worker's rows
     bytes_from: dict[Tier, int]  # bytes copied out of each tier
     damaged: int  # damaged entries dropped on the way (each one retried the load)
+    done: Any = None  # asynchronous GPU loads: the (interprocess) event that marks the bytes in place
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class _Delivery:
     bytes_from: dict[Tier, int]
     damaged: int
     promoted: int
+    event: Any = None
 
 
 @dataclass
@@ -91,14 +96,16 @@ class _Group:
     buffers: tuple[torch.Tensor, ...]
     offsets: list[int]
     nbytes: int
+    transfer: Transfer
 
 
-def _pages(buffers: WorkerBuffers) -> _Group:
-    return _Group(Kind.PAGE, buffers.paged, buffers.page_offsets, buffers.layout.page_bytes)
+def _pages(buffers: WorkerBuffers, transfer: Transfer) -> _Group:
+    return _Group(Kind.PAGE, buffers.paged, buffers.page_offsets, buffers.layout.page_bytes, transfer)
 
 
-def _checkpoints(buffers: WorkerBuffers) -> _Group:
-    return _Group(Kind.CHECKPOINT, buffers.slots, buffers.slot_offsets, buffers.layout.checkpoint_bytes)
+def _checkpoints(buffers: WorkerBuffers, transfer: Transfer) -> _Group:
+    return _Group(Kind.CHECKPOINT, buffers.slots, buffers.slot_offsets,
+                  buffers.layout.checkpoint_bytes, transfer)
 
 
 class Engine:
@@ -109,6 +116,11 @@ class Engine:
         self.host = host
         self.disk = disk
         self.transfer = CpuTransfer(config.copy_threads)
+        self._cuda: dict[int, CudaTransfer] = {}  # one per GPU that workers use, made on demand
+        self._pending: list[tuple[Any, np.ndarray, list[torch.Tensor]]] = []  # async loads in flight
+        # the last interprocess events handed out: a worker may open one after its copy is
+        # done, and an exported event must still exist then
+        self._handed_out: deque = deque(maxlen=1024)
         self._lock = threading.RLock()
         self._inflight: set[tuple[Kind, PageKey]] = set()
         self._closed = False
@@ -157,6 +169,9 @@ class Engine:
                 return
             if flush:
                 self.flush()
+            for cuda in self._cuda.values():
+                cuda.close()  # waits for every copy in flight
+            self._reap()
             self.transfer.close()
             self.host.close()
             if self.disk is not None:
@@ -168,11 +183,30 @@ class Engine:
             raise FailedPrecondition("the engine is closed: open a new one with Engine.open")
 
     # -- store ------------------------------------------------------------------------
+    def _transfer_for(self, buffers: WorkerBuffers) -> Transfer:
+        """The copy path for a worker's buffers, chosen by the device they live on."""
+        if buffers.device.type != "cuda":
+            return self.transfer
+        with self._lock:
+            index = buffers.device.index or 0
+            if index not in self._cuda:
+                self._cuda[index] = CudaTransfer.open(buffers.device)
+            return self._cuda[index]
+
+    def quiesce(self, buffers: WorkerBuffers) -> None:
+        """Return once no copy of this engine touches `buffers` (before they are unmapped)."""
+        transfer = self._transfer_for(buffers)
+        transfer.synchronize()
+        with self._lock:
+            self._reap()
+
     def store(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
-              checkpoints: Mapping[int, int] | None = None) -> StoreResult:
+              checkpoints: Mapping[int, int] | None = None, ready: Any = None) -> StoreResult:
         """Store a prompt after prefill: its KV pages (keys[i] from rows[i]; none for a
         layout without paged buffers) and the checkpoints offered, {pages: state slot},
-        each the state after that many pages."""
+        each the state after that many pages. On a GPU, copies start after `ready` (an
+        event the worker recorded after writing the rows); the call returns when the
+        worker may reuse its rows."""
         chain = key_array(keys)
         offered = dict(checkpoints or {})
         bad = [n for n in offered if not 0 < n <= len(chain)]
@@ -181,14 +215,15 @@ class Engine:
                                   f"{len(chain)} full pages")
         result = StoreResult(0, 0, 0)
         if buffers.layout.needs_pages:
-            result += self.store_pages(buffers, chain, rows)
+            result += self.store_pages(buffers, chain, rows, ready)
         elif len(rows):
             raise InvalidArgument("this layout has no paged buffers: give no kv rows")
         for pages, slot in sorted(offered.items()):
-            result += self.store_checkpoint(buffers, chain[:pages], slot)
+            result += self.store_checkpoint(buffers, chain[:pages], slot, ready)
         return result
 
-    def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int]) -> StoreResult:
+    def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],
+                    ready: Any = None) -> StoreResult:
         """Store the KV pages of a prompt: keys[i] (page i+1 of the chain) from rows[i]."""
         if not buffers.layout.needs_pages:
             raise InvalidArgument("this layout has no paged buffers: store a checkpoint instead")
@@ -196,9 +231,11 @@ class Engine:
         src = row_ids(rows, buffers.layout.page_rows, "kv row")
         if len(src) != len(chain):
             raise InvalidArgument(f"got {len(chain)} page keys but {len(src)} kv rows: give one row per page")
-        return self._store(_pages(buffers), chain, np.arange(1, len(chain) + 1), src)
+        return self._store(_pages(buffers, self._transfer_for(buffers)), chain,
+                           np.arange(1, len(chain) + 1), src, ready)
 
-    def store_checkpoint(self, buffers: WorkerBuffers, keys: Keys, slot: int) -> StoreResult:
+    def store_checkpoint(self, buffers: WorkerBuffers, keys: Keys, slot: int,
+                         ready: Any = None) -> StoreResult:
         """Store the state in `slot`, taken after the last page of the chain `keys`."""
         if not buffers.layout.needs_checkpoint:
             raise InvalidArgument("this layout has no slot buffers: it has no checkpoints")
@@ -206,14 +243,17 @@ class Engine:
         if not len(chain):
             raise InvalidArgument("a checkpoint needs the page keys of its prefix, got none")
         src = row_ids([slot], buffers.layout.slot_rows, "state slot")
-        result = self._store(_checkpoints(buffers), chain[-1:], np.array([len(chain)]), src)
+        result = self._store(_checkpoints(buffers, self._transfer_for(buffers)), chain[-1:],
+                             np.array([len(chain)]), src, ready)
         kept = (len(chain),) if result.stored or result.present else ()
         return StoreResult(result.stored, result.present, result.skipped, kept)
 
     def _store(self, group: _Group, keys: np.ndarray, depths: np.ndarray,
-               src: np.ndarray) -> StoreResult:
+               src: np.ndarray, ready: Any) -> StoreResult:
+        group.transfer.wait_for(ready, "store")
         with self._lock:
             self._check_open()
+            self._reap()
             stamp = self.index.tick()
             existing = self.index.rows_of(group.kind, keys)
             self.index.touch(existing[existing >= 0])
@@ -255,9 +295,11 @@ class Engine:
                            skipped=len(todo) - stored)
 
     def _gather(self, group: _Group, src: np.ndarray, slots: np.ndarray) -> None:
+        """Copy worker rows into host slots; returns once the worker may reuse the rows."""
         pool = self.host.pool(group.nbytes)
         for part in pool.parts(slots):
-            self.transfer.gather(group.buffers, group.offsets, src, part)
+            group.transfer.gather(group.buffers, group.offsets, src, part)
+        group.transfer.fence("store").synchronize()  # this batch only, not the device
 
     # -- match and load -----------------------------------------------------------------
     def match(self, layout: Layout, keys: Keys) -> Match:
@@ -269,15 +311,21 @@ class Engine:
 
     def _match(self, layout: Layout, keys: np.ndarray) -> Hit:
         self._check_open()
+        self._reap()
         self.index.tick()
         hit = self.index.match(keys, layout.page_tokens, layout.needs_pages, layout.needs_checkpoint)
         self.index.touch(hit.rows)
         return hit
 
     def load(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
-             slot: int | None = None) -> LoadResult:
+             slot: int | None = None, ready: Any = None, asynchronous: bool = False) -> LoadResult:
         """Copy the longest hybrid match of `keys` (at most len(rows) pages) into `rows` and
-        `slot`. Fails as a whole: a damaged entry is dropped and the load redone shorter."""
+        `slot`. Fails as a whole: a damaged entry is dropped and the load redone shorter.
+
+        On a GPU, copies start after `ready` (an event the worker recorded after its last
+        use of the rows). The call returns when the bytes are in place, or, if
+        `asynchronous`, at once with `LoadResult.done`: an interprocess event the worker's
+        stream waits on; the entries stay pinned until it completes."""
         layout, keys = buffers.layout, key_array(keys)
         dst = row_ids(rows, layout.page_rows, "kv row", unique=True)
         limit = len(dst) if layout.needs_pages else len(keys)
@@ -293,16 +341,19 @@ class Engine:
                 if hit.match.pages == 0:
                     return LoadResult(hit.match, {}, damaged)
                 self.index.pin(hit.rows)
-            moves = [(_pages(buffers), hit.page_rows, dst[:hit.match.pages])]
+            transfer = self._transfer_for(buffers)
+            transfer.wait_for(ready, "load")
+            moves = [(_pages(buffers, transfer), hit.page_rows, dst[:hit.match.pages])]
             if hit.checkpoint_row is not None:
-                moves.append((_checkpoints(buffers), np.array([hit.checkpoint_row]), dst_slot))
-            done = self._deliver(hit.rows, moves)
+                moves.append((_checkpoints(buffers, transfer), np.array([hit.checkpoint_row]),
+                              dst_slot))
+            done = self._deliver(hit.rows, moves, transfer, asynchronous)
             damaged += done.damaged
             if not done.damaged:
                 with self._lock:
                     self.counters["loads"] += 1
                     self.counters["loaded_pages"] += hit.match.pages
-                return LoadResult(hit.match, done.bytes_from, damaged)
+                return LoadResult(hit.match, done.bytes_from, damaged, done.event)
         return LoadResult(Match(0, 0, len(keys), b"", None, StopReason.MISSING_PAGE), {}, damaged)
 
     def prefetch(self, layout: Layout, keys: Keys) -> int:
@@ -313,33 +364,46 @@ class Engine:
             if self.disk is None or hit.match.pages == 0:
                 return 0
             self.index.pin(hit.rows)
-        moves = [(_Group(Kind.PAGE, (), [], layout.page_bytes), hit.page_rows, None)]
+        moves = [(_Group(Kind.PAGE, (), [], layout.page_bytes, self.transfer), hit.page_rows, None)]
         if hit.checkpoint_row is not None:
-            moves.append((_Group(Kind.CHECKPOINT, (), [], layout.checkpoint_bytes),
+            moves.append((_Group(Kind.CHECKPOINT, (), [], layout.checkpoint_bytes, self.transfer),
                           np.array([hit.checkpoint_row]), None))
-        return self._deliver(hit.rows, moves).promoted
+        return self._deliver(hit.rows, moves, self.transfer, False).promoted
 
-    def _deliver(self, pinned: np.ndarray, moves: list[tuple[_Group, np.ndarray, np.ndarray | None]]
-                 ) -> _Delivery:
+    def _deliver(self, pinned: np.ndarray, moves: list[tuple[_Group, np.ndarray, np.ndarray | None]],
+                 transfer: Transfer, asynchronous: bool) -> _Delivery:
         """Bring pinned entries into host memory (promoting disk hits) and, where a move
-        names destination rows, scatter them into the worker. Unpins `pinned` at the end."""
+        names destination rows, scatter them into the worker. `pinned` is unpinned when
+        the copies are done: now, or, for an asynchronous load, once its event completes."""
         done = _Delivery({}, 0, 0)
         damaged: list[int] = []
         promoted: list[tuple[np.ndarray, list[int], int]] = []  # (rows, host slots, nbytes)
+        staging: list[torch.Tensor] = []  # must outlive the copies that read it
         try:
             for group, entry_rows, dst in moves:
                 staged = self._stage(group, entry_rows, dst is not None, damaged, promoted)
                 if staged is None or dst is None:
                     continue
-                parts, from_disk = staged
+                parts, from_disk, buffer = staged
+                staging.append(buffer)
                 for part in parts:
-                    self.transfer.scatter(part, group.buffers, group.offsets, dst)
+                    transfer.scatter(part, group.buffers, group.offsets, dst)
                 for tier, count in ((Tier.HOST, len(entry_rows) - from_disk), (Tier.DISK, from_disk)):
                     if count:
                         done.bytes_from[tier] = done.bytes_from.get(tier, 0) + count * group.nbytes
+            done.event = transfer.fence("load", interprocess=asynchronous)
+            if not asynchronous:
+                done.event.synchronize()
+        except BaseException:
+            transfer.synchronize()  # nothing may still read entries we are about to unpin
+            raise
         finally:
             with self._lock:
-                self.index.unpin(pinned)
+                if done.event is not None and asynchronous and not damaged:
+                    self._pending.append((done.event, pinned, staging))
+                    self._handed_out.append(done.event)
+                else:
+                    self.index.unpin(pinned)
                 for rows, slots, nbytes in promoted:
                     if damaged:
                         self.host.free(nbytes, slots)
@@ -349,14 +413,29 @@ class Engine:
                 self.counters["promoted"] += done.promoted
                 self.tiers.drop(np.asarray(damaged, np.int64))
         done.damaged = len(damaged)
+        if not asynchronous:
+            done.event = None
         return done
 
+    def _reap(self) -> None:
+        """Unpin the entries of asynchronous loads whose copies have finished (under the
+        lock)."""
+        if self._pending:
+            waiting = []
+            for event, rows, staging in self._pending:
+                if event.query():
+                    self.index.unpin(rows)
+                else:
+                    waiting.append((event, rows, staging))
+            self._pending = waiting
+
     def _stage(self, group: _Group, entry_rows: np.ndarray, staging_ok: bool, damaged: list[int],
-               promoted: list[tuple[np.ndarray, list[int], int]]) -> tuple[list[SlabPart], int] | None:
+               promoted: list[tuple[np.ndarray, list[int], int]]
+               ) -> tuple[list[SlabPart], int, torch.Tensor] | None:
         """Host memory holding the pinned `entry_rows`: their host slots, where disk entries
         are first read into new host slots (promotion) or, when the host has no room and
-        `staging_ok`, into a staging buffer. Returns (parts, entries read from disk), or None
-        when a disk entry turned out damaged."""
+        `staging_ok`, into a staging buffer (page-locked for a GPU). Returns (parts, entries
+        read from disk, the staging buffer), or None when a disk entry turned out damaged."""
         nbytes = group.nbytes
         with self._lock:
             in_host = self.index.in_tier(entry_rows, Tier.HOST)
@@ -366,10 +445,11 @@ class Engine:
         if not staging_ok:
             from_disk = from_disk[:len(promo)]
         pool = self.host.pool(nbytes)
-        staging = torch.empty((len(from_disk) - len(promo), nbytes), dtype=torch.uint8)
+        staging = torch.empty((len(from_disk) - len(promo), nbytes), dtype=torch.uint8,
+                              pin_memory=group.transfer.device.type == "cuda")
         if len(from_disk):
             bad = self.tiers.read_disk(group.kind, entry_rows[from_disk],
-                                  [pool.view(s) for s in promo] + list(staging))
+                                       [pool.view(s) for s in promo] + list(staging))
             if bad:
                 damaged.extend(bad)
                 with self._lock:
@@ -381,7 +461,7 @@ class Engine:
         parts = [SlabPart(p.slab, p.local, at[p.positions]) for p in pool.parts(slots[at])]
         if len(staging):
             parts.append(SlabPart(staging, np.arange(len(staging)), from_disk[len(promo):]))
-        return parts, len(from_disk)
+        return parts, len(from_disk), staging
 
     def evict(self, keys: Keys | None = None, tier: Tier | None = None) -> int:
         """Drop the pages and checkpoints named by `keys` (all entries if None) from `tier`

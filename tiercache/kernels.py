@@ -6,8 +6,9 @@ The kernel reads two small tables instead of one pointer per row: per buffer its
 address, row stride, row width and offset inside an entry; per entry a worker row id and
 the address of its slot. Slot addresses may point at device memory or at page-locked
 host memory (addressed from the GPU), so the same launch serves device-to-device stores
-and host-to-device loads at PCIe speed. Addresses and sizes must be 16-byte aligned so
-every access is a full 16-byte vector; `plan` checks that.
+and host-to-device loads at PCIe speed (measured on an H100: 50-52 GB/s each way into
+and out of page-locked memory, against 54 GB/s for one bulk copy). Addresses and sizes
+must be 16-byte aligned so every access is a full 16-byte vector; BufferTable checks.
 """
 
 from __future__ import annotations
@@ -21,31 +22,37 @@ import triton
 import triton.language as tl
 
 ALIGN = 16
-CHUNK = 64 * 1024  # bytes of a row one program moves; rows longer than this are split
+CHUNK_WORDS = 16 * 1024  # int32 words (64 KiB) of a row one program moves; longer rows split
+BLOCK_WORDS = 1024
 
 
 @triton.jit
 def _copy_rows(buffer_base, buffer_stride, buffer_width, buffer_offset, entry_row, entry_slot,
                n_buffers, to_slots: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (entry * n_buffers + buffer, chunk) moves up to CHUNK words (int32) of one row.
     pid = tl.program_id(0)
     entry, buffer = pid // n_buffers, pid % n_buffers
     start = tl.program_id(1) * CHUNK
-    width = tl.load(buffer_width + buffer)
+    width = tl.load(buffer_width + buffer) // 4
     if start < width:
-        row = tl.load(entry_row + entry)
-        rows = tl.load(buffer_base + buffer) + row * tl.load(buffer_stride + buffer)
+        rows = tl.load(buffer_base + buffer) + tl.load(entry_row + entry) * tl.load(buffer_stride + buffer)
         slot = tl.load(entry_slot + entry) + tl.load(buffer_offset + buffer)
         if to_slots:
             src, dst = rows, slot
         else:
             src, dst = slot, rows
-        src_ptr = tl.multiple_of(src.to(tl.pointer_type(tl.uint8)), 16)
-        dst_ptr = tl.multiple_of(dst.to(tl.pointer_type(tl.uint8)), 16)
+        # 16-byte aligned addresses and whole, unmasked blocks: every access is a 16-byte
+        # vector, which is what keeps writes into host memory at PCIe speed
+        src_ptr = tl.multiple_of(src, 16).to(tl.pointer_type(tl.int32))
+        dst_ptr = tl.multiple_of(dst, 16).to(tl.pointer_type(tl.int32))
         end = tl.minimum(start + CHUNK, width)
-        for at in range(start, end, BLOCK):
-            offsets = at + tl.arange(0, BLOCK)
-            mask = offsets < end
-            tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=mask), mask=mask)
+        full = start + (end - start) // BLOCK * BLOCK
+        for at in range(start, full, BLOCK):
+            words = tl.max_contiguous(tl.multiple_of(at + tl.arange(0, BLOCK), BLOCK), BLOCK)
+            tl.store(dst_ptr + words, tl.load(src_ptr + words))
+        for at in range(full, end, 4):  # what is left of the row, 16 bytes at a time
+            words = tl.max_contiguous(tl.multiple_of(at + tl.arange(0, 4), 4), 4)
+            tl.store(dst_ptr + words, tl.load(src_ptr + words))
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,7 @@ def copy_rows(table: BufferTable, rows: torch.Tensor, slot_addresses: torch.Tens
     entries, buffers = len(rows), len(table.width)
     if not entries or not buffers:
         return
-    grid = (entries * buffers, triton.cdiv(table.max_width, CHUNK))
+    grid = (entries * buffers, triton.cdiv(table.max_width // 4, CHUNK_WORDS))
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         _copy_rows[grid](table.base, table.stride, table.width, table.offset, rows, slot_addresses,
-                         buffers, to_slots=to_slots, CHUNK=CHUNK, BLOCK=4096, num_warps=4)
+                         buffers, to_slots=to_slots, CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS, num_warps=4)

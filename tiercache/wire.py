@@ -85,7 +85,8 @@ def match_from_proto(message: pb.MatchResult) -> Match:
 def load_to_proto(result: LoadResult) -> pb.LoadResponse:
     return pb.LoadResponse(match=match_to_proto(result.match), damaged=result.damaged,
                            bytes_from=[pb.TierBytes(tier=int(t), bytes=n)
-                                       for t, n in sorted(result.bytes_from.items())])
+                                       for t, n in sorted(result.bytes_from.items())],
+                           done_event=result.done.ipc_handle() if result.done is not None else b"")
 
 
 def load_from_proto(message: pb.LoadResponse) -> LoadResult:

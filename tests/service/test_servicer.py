@@ -48,7 +48,7 @@ class Context:
 @pytest.fixture
 def served():
     engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=1 << 24)))
-    servicer = TiercacheServicer(engine, WorkerRegistry(4), max_prompt_pages=1000)
+    servicer = TiercacheServicer(engine, WorkerRegistry(4, engine.quiesce), max_prompt_pages=1000)
     shared = SharedBuffers.create(LAYOUT)
     request = pb.RegisterRequest(model_id="test-model", layout=layout_to_proto(LAYOUT), buffers=[
         pb.BufferLocation(name=p.spec.name, nbytes=p.nbytes,

@@ -63,15 +63,27 @@ class SharedMemoryBuffer(_message.Message):
     offset: int
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
+class CudaIpcBuffer(_message.Message):
+    __slots__ = ("handle", "offset", "device_uuid")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    offset: int
+    device_uuid: str
+    def __init__(self, handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
 class BufferLocation(_message.Message):
-    __slots__ = ("name", "nbytes", "shm")
+    __slots__ = ("name", "nbytes", "shm", "cuda")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
     name: str
     nbytes: int
     shm: SharedMemoryBuffer
-    def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm: _Optional[_Union[SharedMemoryBuffer, _Mapping]] = ...) -> None: ...
+    cuda: CudaIpcBuffer
+    def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm: _Optional[_Union[SharedMemoryBuffer, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("model_id", "layout", "buffers", "extra_keys", "hash")
@@ -142,16 +154,20 @@ class MatchResponse(_message.Message):
     def __init__(self, match: _Optional[_Union[MatchResult, _Mapping]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "kv_rows", "slot")
+    __slots__ = ("worker_id", "keys", "kv_rows", "slot", "ready_event", "asynchronous")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    ASYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     kv_rows: _containers.RepeatedScalarFieldContainer[int]
     slot: int
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ...) -> None: ...
+    ready_event: bytes
+    asynchronous: bool
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., asynchronous: _Optional[bool] = ...) -> None: ...
 
 class TierBytes(_message.Message):
     __slots__ = ("tier", "bytes")
@@ -162,14 +178,16 @@ class TierBytes(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("match", "bytes_from", "damaged")
+    __slots__ = ("match", "bytes_from", "damaged", "done_event")
     MATCH_FIELD_NUMBER: _ClassVar[int]
     BYTES_FROM_FIELD_NUMBER: _ClassVar[int]
     DAMAGED_FIELD_NUMBER: _ClassVar[int]
+    DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     match: MatchResult
     bytes_from: _containers.RepeatedCompositeFieldContainer[TierBytes]
     damaged: int
-    def __init__(self, match: _Optional[_Union[MatchResult, _Mapping]] = ..., bytes_from: _Optional[_Iterable[_Union[TierBytes, _Mapping]]] = ..., damaged: _Optional[int] = ...) -> None: ...
+    done_event: bytes
+    def __init__(self, match: _Optional[_Union[MatchResult, _Mapping]] = ..., bytes_from: _Optional[_Iterable[_Union[TierBytes, _Mapping]]] = ..., damaged: _Optional[int] = ..., done_event: _Optional[bytes] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("pages", "slot")
@@ -180,16 +198,18 @@ class Checkpoint(_message.Message):
     def __init__(self, pages: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints")
+    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     kv_rows: _containers.RepeatedScalarFieldContainer[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...
+    ready_event: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored", "present", "skipped", "checkpoints")
