@@ -22,8 +22,9 @@ import torch
 
 from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from tiercache.hashing import Keys, PageKey, key_array, key_list
+from tiercache.hashing import Keys, key_array
 from tiercache.index import Hit, Index, Kind, Match, StopReason, Tier
+from tiercache.keymap import KeyMap
 from tiercache.layout import Layout
 from tiercache.policy import make_policy
 from tiercache.tiering import Tiering
@@ -122,7 +123,7 @@ class Engine:
         # done, and an exported event must still exist then
         self._handed_out: deque = deque(maxlen=1024)
         self._lock = threading.RLock()
-        self._inflight: set[tuple[Kind, PageKey]] = set()
+        self._inflight = (KeyMap(), KeyMap())  # by Kind: entries a store is writing now
         self._closed = False
         self.counters: dict[str, int] = dict.fromkeys(
             ["matches", "matched_pages", "stored_pages", "stored_checkpoints", "skipped_entries",
@@ -197,6 +198,9 @@ class Engine:
         """Return once no copy of this engine touches `buffers` (before they are unmapped)."""
         transfer = self._transfer_for(buffers)
         transfer.synchronize()
+        if isinstance(transfer, CudaTransfer):
+            transfer.forget(buffers.paged)
+            transfer.forget(buffers.slots)
         with self._lock:
             self._reap()
 
@@ -258,11 +262,9 @@ class Engine:
             existing = self.index.rows_of(group.kind, keys)
             self.index.touch(existing[existing >= 0])
             new = np.flatnonzero(existing < 0)
-            names = key_list(keys[new])
-            todo = [int(i) for i, name in zip(new, names) if (group.kind, name) not in self._inflight]
-            claimed = [(group.kind, name) for i, name in zip(new, names)
-                       if (group.kind, name) not in self._inflight]
-            self._inflight.update(claimed)
+            inflight = self._inflight[group.kind]
+            todo = new[inflight.lookup(keys[new]) < 0]  # another store is writing the rest
+            inflight.insert(keys[todo], todo)
         stored = 0
         try:
             while stored < len(todo):  # in batches: each one may push the last out to disk
@@ -283,11 +285,11 @@ class Engine:
                 stored += len(batch)
         finally:
             with self._lock:
-                self._inflight.difference_update(claimed)
+                inflight.delete(keys[todo])
                 counter = "stored_pages" if group.kind == Kind.PAGE else "stored_checkpoints"
                 self.counters[counter] += stored
                 self.counters["skipped_entries"] += len(todo) - stored
-        if todo and not stored:
+        if len(todo) and not stored:
             raise ResourceExhausted(
                 f"no room in the host tier for a {group.nbytes}-byte entry (budget "
                 f"{self.host.budget_bytes} bytes, the rest pinned by loads): raise the host budget")
@@ -296,9 +298,8 @@ class Engine:
 
     def _gather(self, group: _Group, src: np.ndarray, slots: np.ndarray) -> None:
         """Copy worker rows into host slots; returns once the worker may reuse the rows."""
-        pool = self.host.pool(group.nbytes)
-        for part in pool.parts(slots):
-            group.transfer.gather(group.buffers, group.offsets, src, part)
+        group.transfer.gather(group.buffers, group.offsets, src,
+                              list(self.host.pool(group.nbytes).parts(slots)))
         group.transfer.fence("store").synchronize()  # this batch only, not the device
 
     # -- match and load -----------------------------------------------------------------
@@ -386,8 +387,7 @@ class Engine:
                     continue
                 parts, from_disk, buffer = staged
                 staging.append(buffer)
-                for part in parts:
-                    transfer.scatter(part, group.buffers, group.offsets, dst)
+                transfer.scatter(parts, group.buffers, group.offsets, dst)
                 for tier, count in ((Tier.HOST, len(entry_rows) - from_disk), (Tier.DISK, from_disk)):
                     if count:
                         done.bytes_from[tier] = done.bytes_from.get(tier, 0) + count * group.nbytes

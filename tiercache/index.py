@@ -187,7 +187,8 @@ class Index:
         if len(new):
             if len(new) > len(self._free):
                 self._grow(max(2 * self._capacity, self._capacity + len(new)))
-            fresh = np.array([self._free.pop() for _ in range(len(new))], np.int64)
+            fresh = np.array(self._free[-len(new):][::-1], np.int64)
+            del self._free[-len(new):]
             self._maps[kind].insert(keys[new], fresh)
             rows[new] = fresh
             cols = self._cols

@@ -16,7 +16,7 @@ worker, by where its buffers live:
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -52,8 +52,14 @@ class CpuTransfer:
             future.result()
 
     def gather(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
-               rows: np.ndarray, part: SlabPart) -> None:
-        """part.slab[part.local[i], entry bytes of buffer b] = buffers[b][rows[part.positions[i]]]."""
+               rows: np.ndarray, parts: Sequence[SlabPart]) -> None:
+        """For each part: part.slab[part.local[i], entry bytes of buffer b] =
+        buffers[b][rows[part.positions[i]]]."""
+        for part in parts:
+            self._gather_part(buffers, offsets, rows, part)
+
+    def _gather_part(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
+                     rows: np.ndarray, part: SlabPart) -> None:
         slots, rows = _by_slot(part, rows)
         index = torch.from_numpy(rows)
 
@@ -65,9 +71,15 @@ class CpuTransfer:
                                                          buffer.numpy()[rows])
         self._each([copy(b, at) for b, at in zip(buffers, offsets)])
 
-    def scatter(self, part: SlabPart, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
-                rows: np.ndarray) -> None:
-        """buffers[b][rows[part.positions[i]]] = part.slab[part.local[i], entry bytes of buffer b]."""
+    def scatter(self, parts: Sequence[SlabPart], buffers: Sequence[torch.Tensor],
+                offsets: Sequence[int], rows: np.ndarray) -> None:
+        """For each part: buffers[b][rows[part.positions[i]]] = part.slab[part.local[i],
+        entry bytes of buffer b]."""
+        for part in parts:
+            self._scatter_part(part, buffers, offsets, rows)
+
+    def _scatter_part(self, part: SlabPart, buffers: Sequence[torch.Tensor],
+                      offsets: Sequence[int], rows: np.ndarray) -> None:
         slots, rows = _by_slot(part, rows)
         slab = part.slab.numpy()
 
@@ -110,6 +122,7 @@ class CudaTransfer:
     def __init__(self, device: torch.device, streams: dict[str, torch.cuda.Stream]) -> None:
         self.device = device
         self._streams = streams
+        self._tables: dict[int, tuple[Sequence[torch.Tensor], Any]] = {}  # by id of the buffers
 
     @classmethod
     def open(cls, device: torch.device) -> "CudaTransfer":
@@ -121,24 +134,41 @@ class CudaTransfer:
         if event is not None:
             self._streams[direction].wait_event(event)
 
+    def _table(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int]) -> Any:
+        """The kernel's buffer table, built once per group of registered buffers."""
+        from tiercache.kernels import BufferTable  # Triton only where there is a GPU
+        cached = self._tables.get(id(buffers))
+        if cached is None:
+            cached = self._tables[id(buffers)] = (buffers, BufferTable.of(buffers, offsets, self.device))
+        return cached[1]
+
+    def forget(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Drop what was cached for buffers that are going away."""
+        self._tables.pop(id(buffers), None)
+
     def _launch(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int], rows: np.ndarray,
-                part: SlabPart, to_slots: bool) -> None:
-        from tiercache.kernels import BufferTable, copy_rows  # Triton only where there is a GPU
+                parts: Sequence[SlabPart], to_slots: bool) -> None:
+        """One launch for every part: slot addresses may lie in any slab, any memory."""
+        from tiercache.kernels import copy_rows
+        if not parts:
+            return
+        addresses = np.concatenate([p.slab.data_ptr() + p.local.astype(np.int64) * p.slab.stride(0)
+                                    for p in parts])
+        entry_rows = np.concatenate([rows[p.positions] for p in parts]).astype(np.int64)
         stream = self._streams["store" if to_slots else "load"]
-        addresses = part.slab.data_ptr() + part.local.astype(np.int64) * part.slab.stride(0)
-        meta = np.stack([rows[part.positions].astype(np.int64), addresses])
+        table = self._table(buffers, offsets)
         with torch.cuda.stream(stream):
-            on_device = torch.from_numpy(meta).pin_memory().to(self.device, non_blocking=True)
-            table = BufferTable.of(buffers, offsets, self.device)
+            meta = torch.from_numpy(np.stack([entry_rows, addresses])).pin_memory()
+            on_device = meta.to(self.device, non_blocking=True)
             copy_rows(table, on_device[0], on_device[1], to_slots, stream)
 
     def gather(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
-               rows: np.ndarray, part: SlabPart) -> None:
-        self._launch(buffers, offsets, rows, part, to_slots=True)
+               rows: np.ndarray, parts: Sequence[SlabPart]) -> None:
+        self._launch(buffers, offsets, rows, parts, to_slots=True)
 
-    def scatter(self, part: SlabPart, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
-                rows: np.ndarray) -> None:
-        self._launch(buffers, offsets, rows, part, to_slots=False)
+    def scatter(self, parts: Sequence[SlabPart], buffers: Sequence[torch.Tensor],
+                offsets: Sequence[int], rows: np.ndarray) -> None:
+        self._launch(buffers, offsets, rows, parts, to_slots=False)
 
     def fence(self, direction: str, interprocess: bool = False) -> torch.cuda.Event:
         """An event that completes when every copy launched so far in `direction` has."""

@@ -56,7 +56,7 @@ def roundtrip(address: str, seed: int, row_bytes: int, buffers: int, prompts: in
     for t in tensors.values():
         bits(t).fill_(0xA5)
     tiers, good = set(), True
-    for n in range(prompts):
+    for n in reversed(range(prompts)):  # newest first: host hits, then disk hits
         rows = list(range(shape.page_rows - 1 - n * PAGES, shape.page_rows - 1 - (n + 1) * PAGES, -1))
         result = worker.load(prompt(n), kv_rows=rows, slot=4 + n % 4)
         tiers |= set(result.bytes_from)

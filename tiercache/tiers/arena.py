@@ -52,16 +52,22 @@ class SlotPool:
         base = number * self.slots_per_slab
         self.free_slots.extend(range(base + slab.shape[0] - 1, base - 1, -1))
 
-    def pop(self) -> int | None:
-        if not self.free_slots:
-            return None
-        slot = self.free_slots.pop()
-        self.used[slot // self.slots_per_slab] += 1
-        return slot
+    def pop(self, count: int) -> list[int]:
+        """Up to `count` free slots, O(1) each (the top of the stack, in stack order)."""
+        taken = self.free_slots[-count:][::-1] if count else []
+        del self.free_slots[len(self.free_slots) - len(taken):]
+        self._count(taken, 1)
+        return taken
 
-    def push(self, slot: int) -> None:
-        self.used[slot // self.slots_per_slab] -= 1
-        self.free_slots.append(slot)
+    def push(self, slots: list[int]) -> None:
+        self._count(slots, -1)
+        self.free_slots.extend(slots)
+
+    def _count(self, slots: list[int], sign: int) -> None:
+        if slots:
+            slabs, counts = np.unique(np.asarray(slots) // self.slots_per_slab, return_counts=True)
+            for slab, n in zip(slabs.tolist(), counts.tolist()):
+                self.used[slab] += sign * n
 
     def release_empty(self) -> list[torch.Tensor]:
         """Take out the slabs with no slot in use and return them."""
@@ -114,21 +120,14 @@ class SlotArena:
     def alloc(self, slot_bytes: int, count: int) -> list[int]:
         """Up to `count` slots; fewer when the budget is spent (the caller evicts and retries)."""
         pool = self.pool(slot_bytes)
-        slots: list[int] = []
-        while len(slots) < count:
-            slot = pool.pop()
-            if slot is None:
-                if not self._grow(pool, count - len(slots)):
-                    break
-                continue
-            slots.append(slot)
+        slots = pool.pop(count)
+        while len(slots) < count and self._grow(pool, count - len(slots)):
+            slots += pool.pop(count - len(slots))
         self.used_bytes += len(slots) * slot_bytes
         return slots
 
     def free(self, slot_bytes: int, slots: list[int]) -> None:
-        pool = self.pools[slot_bytes]
-        for slot in slots:
-            pool.push(slot)
+        self.pools[slot_bytes].push(list(slots))
         self.used_bytes -= len(slots) * slot_bytes
 
     def reclaim(self) -> int:
