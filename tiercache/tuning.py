@@ -2,8 +2,8 @@
 
 After LeCaR (Vietri et al., HotStorage 2018), with recency and FLOPs per byte as the two
 experts. Every host victim is remembered (a bounded ring of keys, newest kept) with the
-term that condemned it: "recency" when it ranked lower among the candidates by last use
-than by value (old, but worth much), else "value" (recent, but worth little). When a
+term that condemned it: "recency" when its rank among the candidates by last use was no
+higher than its rank by value (old, and worth as much), else "value" (recent, but cheap). When a
 remembered entry is stored again, it was needed after all and its condemner was wrong:
 alpha grows by up to a factor e^rate when recency regrets dominate the store, shrinks
 when value regrets do. The work happens at eviction and at store time, never in a match.
@@ -43,7 +43,7 @@ class AlphaTuner:
         """Remember victims (positions into `candidates`, with their keys) and who chose them."""
         recent = _ranks(candidates.stamp, victims)
         worth = _ranks(candidates.value, victims)
-        blame = np.where(recent < worth, _RECENCY, _VALUE).astype(np.uint8)
+        blame = np.where(recent <= worth, _RECENCY, _VALUE).astype(np.uint8)
         kinds = candidates.kind[victims]
         take = slice(max(0, len(victims) - len(self._keys)), None)  # newest win
         for kind in Kind:
