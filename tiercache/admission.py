@@ -51,20 +51,22 @@ def admit(config: AdmissionConfig, offered: Iterable[int], pages: int, shared: i
     return offers[keep]
 
 
-def entry_values(layout: Layout, pages: int, checkpoints: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def entry_values(layout: Layout, pages: int, checkpoints: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """(value of pages 1..pages, value of the checkpoint at each of `checkpoints`) for a
     chain whose checkpoints, cached or being stored, lie at the sorted, distinct page
     counts `checkpoints`. Values are FLOPs (or tokens, without a model shape) per byte."""
-    ends = np.arange(1, pages + 1) if not layout.needs_checkpoint else np.asarray(checkpoints, np.int64)
+    checkpoints = np.asarray(checkpoints, np.int64)
+    ends = checkpoints if layout.needs_checkpoint else np.arange(1, pages + 1)
     if not len(ends):
         return np.zeros(pages, np.float32), np.zeros(0, np.float32)
     starts = np.concatenate([[0], ends[:-1]])
-    saved = saved_flops(layout.model, layout.page_tokens, np.concatenate([[0], ends]), layout.tp_size)
+    saved = saved_flops(layout.model, layout.page_tokens, np.concatenate([[0], ends]),
+                        layout.tp_size)
     held = layout.checkpoint_bytes + (ends - starts) * layout.page_bytes
-    efficiency = np.diff(saved) / held
     per_page = np.zeros(pages, np.float64)
-    per_page[:ends[-1]] = np.repeat(efficiency, ends - starts)
+    per_page[:ends[-1]] = np.repeat(np.diff(saved) / held, ends - starts)
     # a page is worth the best segment at or after it on the chain
     per_page = np.maximum.accumulate(per_page[::-1])[::-1]
-    on_chain = per_page[np.asarray(checkpoints, np.int64) - 1] if layout.needs_checkpoint else np.zeros(0)
-    return per_page.astype(np.float32), on_chain.astype(np.float32)
+    at_checkpoints = per_page[checkpoints - 1] if layout.needs_checkpoint else np.zeros(0)
+    return per_page.astype(np.float32), at_checkpoints.astype(np.float32)

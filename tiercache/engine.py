@@ -29,6 +29,7 @@ from tiercache.index import Hit, Index, Kind, Match, StopReason, Tier
 from tiercache.layout import Layout
 from tiercache.movement import Group, Movement
 from tiercache.policy import PolicyConfig, make_policy
+from tiercache.results import EngineStats, LoadResult, StoreResult, TierStats
 from tiercache.tiering import Tiering
 from tiercache.tiers.arena import SlotArena
 from tiercache.tiers.disk import DiskConfig, DiskTier
@@ -50,40 +51,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):
             object.__setattr__(self, "policy", PolicyConfig(eviction=self.policy))
-
-
-@dataclass(frozen=True)
-class StoreResult:
-    stored: int  # entries written now
-    present: int  # entries that were cached already (their last use is refreshed)
-    skipped: int  # entries left out for lack of room
-    checkpoints: tuple[int, ...] = ()  # page counts whose checkpoint is now cached
-
-    def __add__(self, other: "StoreResult") -> "StoreResult":
-        return StoreResult(self.stored + other.stored, self.present + other.present,
-                           self.skipped + other.skipped, self.checkpoints + other.checkpoints)
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    match: Match  # what is now in the worker's rows
-    bytes_from: dict[Tier, int]  # bytes copied out of each tier
-    damaged: int  # damaged entries dropped on the way (each one retried the load)
-
-
-@dataclass(frozen=True)
-class TierStats:
-    tier: Tier
-    entries: int
-    used_bytes: int
-    budget_bytes: int
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    tiers: tuple[TierStats, ...]
-    counters: dict[str, int]
-    alpha: float | None = None  # the FLOP-aware policy's weight now (None for LRU)
 
 
 def _pages(buffers: WorkerBuffers) -> Group:
@@ -258,7 +225,8 @@ class Engine:
         with self._lock:
             self._check_open()
             stamp = self.index.tick()
-            found = self.index.rows_of(Kind.CHECKPOINT, chain) if layout.needs_checkpoint else chain[:0, 0]
+            found = (self.index.rows_of(Kind.CHECKPOINT, chain) if layout.needs_checkpoint
+                     else np.empty(0, np.int64))
         ends = np.union1d(np.flatnonzero(found >= 0) + 1, depths)
         page_values, end_values = entry_values(layout, len(chain), ends)
         result = StoreResult(0, 0, 0)
@@ -273,7 +241,8 @@ class Engine:
             part, kept = self._store(_checkpoints(buffers), chain[depths - 1], depths,
                                      np.array([offers[d] for d in depths.tolist()], np.int64),
                                      end_values[np.searchsorted(ends, depths)], stamp)
-            result += StoreResult(part.stored, part.present, part.skipped, tuple(depths[kept].tolist()))
+            result += StoreResult(part.stored, part.present, part.skipped,
+                                  tuple(depths[kept].tolist()))
         return result
 
     def _store(self, group: Group, keys: np.ndarray, depths: np.ndarray, src: np.ndarray,

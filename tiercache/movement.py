@@ -154,7 +154,8 @@ class Movement:
         """Write-back: the dirty ones among the coldest `clean_ahead` of the host budget,
         once the host is that close to full."""
         ahead = self.host.budget_bytes * self.writes.clean_ahead
-        if self.writes.host != "back" or not ahead or self.host.used_bytes < self.host.budget_bytes - ahead:
+        far = self.host.used_bytes < self.host.budget_bytes - ahead
+        if self.writes.host != "back" or not ahead or far:
             return np.empty(0, np.int64)
         candidates = self.index.candidates(Tier.HOST)
         order = self.tiers.policy.order(candidates)

@@ -1,9 +1,11 @@
 """Tuning the FLOP-aware policy's alpha from recent history, by regret.
 
 After LeCaR (Vietri et al., HotStorage 2018), with recency and FLOPs per byte as the two
-experts. Every host victim is remembered (a bounded ring of keys, newest kept) with the
-term that condemned it: "recency" when its rank among the candidates by last use was no
-higher than its rank by value (old, and worth as much), else "value" (recent, but cheap). When a
+experts. A host victim on which the two disagree is remembered (a bounded ring of keys,
+newest kept) with the one that condemned it: "recency" when it was among the older half of
+the candidates but the more valuable half (old, but worth much), "value" when among the
+newer half but the cheaper half (recent, but cheap). Victims both would have evicted
+teach nothing and are not kept. When a
 remembered entry is stored again, it was needed after all and its condemner was wrong:
 alpha grows by up to a factor e^rate when recency regrets dominate the store, shrinks
 when value regrets do. The work happens at eviction and at store time, never in a match.
@@ -23,8 +25,11 @@ ALPHA_RANGE = (0.01, 100.0)
 
 
 def _ranks(column: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """Percentile rank in [0, 1) of column[at] within column."""
-    return np.searchsorted(np.sort(column), column[at], side="left") / max(1, len(column))
+    """Percentile rank in [0, 1] of column[at] within column; ties rank at their middle."""
+    ordered = np.sort(column)
+    below = np.searchsorted(ordered, column[at], side="left")
+    upto = np.searchsorted(ordered, column[at], side="right")
+    return (below + upto) / (2 * max(1, len(column)))
 
 
 class AlphaTuner:
@@ -43,7 +48,9 @@ class AlphaTuner:
         """Remember victims (positions into `candidates`, with their keys) and who chose them."""
         recent = _ranks(candidates.stamp, victims)
         worth = _ranks(candidates.value, victims)
-        blame = np.where(recent <= worth, _RECENCY, _VALUE).astype(np.uint8)
+        blame = np.where(recent < 0.5, _RECENCY, _VALUE).astype(np.uint8)
+        disputed = np.flatnonzero((recent < 0.5) != (worth < 0.5))
+        victims, keys, blame = victims[disputed], keys[disputed], blame[disputed]
         kinds = candidates.kind[victims]
         take = slice(max(0, len(victims) - len(self._keys)), None)  # newest win
         for kind in Kind:

@@ -56,7 +56,8 @@ def test_write_through_batches_entries_into_transactions(tmp_path):
     write = engine.disk.write
     engine.disk.write = lambda entries: (batches.append(len(entries)), write(entries))
     # ten pages stored at once go to disk in transactions of at most 4
-    engine.store_pages(random_buffers(LAYOUT, seed=1), prompt_keys(LAYOUT, seed=1, pages=10), range(10))
+    keys = prompt_keys(LAYOUT, seed=1, pages=10)
+    engine.store_pages(random_buffers(LAYOUT, seed=1), keys, range(10))
     engine.drain()
     assert batches == [4, 4, 2]
     engine.close()
@@ -207,6 +208,14 @@ def wait_hook(engine):
     return waiting
 
 
+def start_load(engine, worker, keys, results):
+    """A thread loading the 6-page prompt `keys` into rows 30..35 and slot 3 of `worker`."""
+    loader = threading.Thread(target=lambda: results.append(
+        engine.load(worker, keys, range(30, 36), slot=3)))
+    loader.start()
+    return loader
+
+
 def test_a_load_waits_for_a_promotion_in_flight_and_never_reads_torn_bytes(tmp_path):
     engine, worker, keys = flushed_to_disk_only(tmp_path)
     copying, release = slow_copies(engine, "tiercache-background")
@@ -217,8 +226,7 @@ def test_a_load_waits_for_a_promotion_in_flight_and_never_reads_torn_bytes(tmp_p
     other = random_buffers(LAYOUT, seed=2)
     before = page_bytes(other, range(30, 36))
     waiting, results = wait_hook(engine), []
-    loader = threading.Thread(target=lambda: results.append(engine.load(other, keys, range(30, 36), slot=3)))
-    loader.start()
+    loader = start_load(engine, other, keys, results)
     assert waiting.wait(10)
     assert same(page_bytes(other, range(30, 36)), before)
     # 3. the copy completes and is published; the load reads the promoted host copies
@@ -274,8 +282,7 @@ def test_a_load_that_finds_a_promotion_started_after_its_wait_reads_the_disk_its
     engine.moving.await_moves = then_pause
     other, results = random_buffers(LAYOUT, seed=2), []
     # 1. a load finds nothing moving and goes on ...
-    loader = threading.Thread(target=lambda: results.append(engine.load(other, keys, range(30, 36), slot=3)))
-    loader.start()
+    loader = start_load(engine, other, keys, results)
     assert waited.wait(10)
     # 2. ... while a match starts promoting the same entries, which stalls half copied
     engine.match(LAYOUT, keys, prefetch=True)
