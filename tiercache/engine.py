@@ -139,11 +139,12 @@ class Engine:
             self._closing = True
         try:
             while flush and self.disk is not None:
-                self._flush()
                 with self._lock:
-                    if not self._inflight and not len(self.tiers.dirty()):
-                        break
-                time.sleep(0.001)  # a store that began before close is still copying
+                    storing = bool(self._inflight)  # stores that began before close
+                self._flush()
+                if not storing:  # this flush came after the last of them published
+                    break
+                time.sleep(0.001)
         finally:
             self.moving.stop()
             with self._lock:
@@ -172,7 +173,8 @@ class Engine:
                                   f"{len(chain)} full pages")
         if offered and not layout.needs_checkpoint:
             raise InvalidArgument("this layout has no slot buffers: offer no checkpoints")
-        slots = {n: int(row_ids([s], layout.slot_rows, "state slot")[0]) for n, s in offered.items()}
+        slots = dict(zip(offered, row_ids(list(offered.values()), layout.slot_rows,
+                                          "state slot").tolist()))
         if layout.needs_pages:
             src = self._page_rows(layout, chain, rows)
         elif len(rows):

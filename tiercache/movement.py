@@ -14,7 +14,8 @@
   background thread: right after their store (write-through), or, for write-back, the
   coldest `clean_ahead` share of the host budget once the host fills past the rest, so
   that evictions find their victims on disk already. A victim the writer has not reached
-  is written by the eviction itself (`Tiering.demote`): never lost, rarely slow.
+  (a store needing more room than is kept clean, or write-back with nothing kept clean)
+  is written by the eviction itself, synchronously (`Tiering.demote`): never lost.
 """
 
 from __future__ import annotations

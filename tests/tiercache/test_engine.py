@@ -231,6 +231,8 @@ def test_explicit_evict_drops_entries_from_every_tier(tmp_path):
     (lambda e, w, k: e.store_pages(w, k, [0, 1]), "3 page keys but 2 kv rows"),
     (lambda e, w, k: e.store_pages(w, k, [0, 1, 5000]), "5000 is out of range"),
     (lambda e, w, k: e.store_checkpoint(w, k, 99), "state slot 99"),
+    (lambda e, w, k: e.store(w, k, [0, 1, 2], {2: 99}), "state slot 99"),
+    (lambda e, w, k: e.store(w, k, [0, 1, 2], {4: 0}), "checkpoint at page 4"),
     (lambda e, w, k: e.store_checkpoint(w, [], 0), "page keys"),
     (lambda e, w, k: e.load(w, k, [1, 1, 2], 0), "repeat a row"),
     (lambda e, w, k: e.load(w, k, [1, 2, 3]), "state slot"),
