@@ -250,19 +250,7 @@ class Engine:
     def _store(self, group: Group, keys: np.ndarray, depths: np.ndarray, src: np.ndarray,
                values: np.ndarray, stamp: int) -> tuple[StoreResult, np.ndarray]:
         """Store entries in the host tier; returns the result and which keys are cached now."""
-        with self._lock:
-            self._check_open()
-            existing = self.index.rows_of(group.kind, keys)
-            present = existing >= 0
-            self.index.touch(existing[present], stamp)
-            self.index.raise_values(existing[present], values[present])
-            new = np.flatnonzero(~present)
-            self.tiers.returned(group.kind, keys[new])
-            names = key_list(keys[new])
-            free = np.array([(group.kind, name) not in self._inflight for name in names], bool)
-            todo = new[free] if len(new) else new
-            claimed = [(group.kind, name) for name, ok in zip(names, free.tolist()) if ok]
-            self._inflight.update(claimed)
+        todo, claimed = self._claim(group.kind, keys, values, stamp)
         stored = 0
         try:
             while stored < len(todo):  # in batches: each one may push the last out to disk
@@ -295,6 +283,24 @@ class Engine:
         kept = np.ones(len(keys), bool)
         kept[todo[stored:]] = False
         return StoreResult(stored, len(keys) - len(todo), len(todo) - stored), kept
+
+    def _claim(self, kind: Kind, keys: np.ndarray, values: np.ndarray, stamp: int
+               ) -> tuple[np.ndarray, list[tuple[Kind, PageKey]]]:
+        """Refresh the entries already cached; claim the others that no concurrent store is
+        writing. Returns (positions of the claimed keys, their claims)."""
+        with self._lock:
+            self._check_open()
+            existing = self.index.rows_of(kind, keys)
+            present = existing >= 0
+            self.index.touch(existing[present], stamp)
+            self.index.raise_values(existing[present], values[present])
+            new = np.flatnonzero(~present)
+            self.tiers.returned(kind, keys[new])
+            names = key_list(keys[new])
+            free = np.array([(kind, name) not in self._inflight for name in names], bool)
+            claimed = [(kind, name) for name, ok in zip(names, free.tolist()) if ok]
+            self._inflight.update(claimed)
+            return (new[free] if len(new) else new), claimed
 
     def _gather(self, group: Group, src: np.ndarray, slots: np.ndarray) -> None:
         pool = self.host.pool(group.nbytes)
