@@ -1,13 +1,15 @@
 # Everything a fresh machine needs: `make serve` runs the daemon, `make test` the tests.
-# The virtual environment is built on first use. TORCH pins the CPU build on machines
-# without a GPU; on a GPU machine set TORCH=torch (or keep the torch you have).
+# The virtual environment is built on first use. TORCH pins the CPU build for machines
+# without a GPU; on a GPU machine keep the torch you have (it is not reinstalled).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 EXTRAS ?= dev,transformers
+PROTO := proto/tiercache/v1/tiercache.proto
+PROTOC = $(PY) -m grpc_tools.protoc -Iproto --python_out=$(1) --grpc_python_out=$(1) --pyi_out=$(1) $(PROTO)
 
-.PHONY: env test serve clean
+.PHONY: env serve test demo proto proto-check clean
 
 env: $(VENV)/.installed
 
@@ -18,8 +20,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
+serve: env  ## the daemon with defaults: ./tiercache-data, 1 GiB of host memory
+	$(VENV)/bin/tiercache serve $(ARGS)
+
 test: env
 	$(PY) -m pytest -q
+
+demo: env  ## a daemon and two workers in shared-prefix conversations
+	$(PY) examples/demo.py
+
+proto: env  ## regenerate tiercache/v1 from the .proto
+	$(call PROTOC,.)
+
+proto-check: env  ## fail if tiercache/v1 is stale
+	@tmp=$$(mktemp -d) && $(call PROTOC,$$tmp) && for f in tiercache_pb2.py tiercache_pb2.pyi tiercache_pb2_grpc.py; do \
+	  cmp -s $$tmp/tiercache/v1/$$f tiercache/v1/$$f || { echo "tiercache/v1/$$f is stale: run make proto"; exit 1; }; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

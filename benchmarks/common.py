@@ -9,14 +9,17 @@ import time
 from typing import Callable, Sequence
 
 
-def median_seconds(fn: Callable[[], object], repeat: int = 7, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
+def median_seconds(fn: Callable[[], object], repeat: int = 7, warmup: int = 1,
+                   setup: Callable[[], object] | None = None) -> float:
+    """Median wall time of `fn`; `setup` runs before each call, untimed."""
     times = []
-    for _ in range(repeat):
+    for n in range(warmup + repeat):
+        if setup is not None:
+            setup()
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
+        if n >= warmup:
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 

@@ -48,9 +48,8 @@ def host_figures(layout, keys, src_rows, dst_rows):
     source, dest = make_worker(layout, 1), make_worker(layout, 2)
 
     def store():
-        engine.evict()
         assert engine.store_pages(source, keys, src_rows).stored == len(keys)
-    store_s = median_seconds(store, repeat=5)
+    store_s = median_seconds(store, repeat=5, setup=engine.evict)
     load_s = median_seconds(lambda: engine.load(dest, keys, dst_rows), repeat=5)
     assert all(torch.equal(d[dst_rows], s[src_rows]) for d, s in zip(dest.paged, source.paged))
     engine.close()
@@ -67,17 +66,16 @@ def disk_figures(layout, keys, src_rows, dst_rows, folder):
     engine.store_pages(source, keys, src_rows)
 
     def store():  # host -> LMDB in one transaction, fsynced
-        engine.evict(tier=Tier.DISK)
         assert engine.flush() == len(keys)
 
     def promote():  # LMDB -> checksum -> host slots
-        engine.evict(tier=Tier.HOST)
         assert engine.prefetch(layout, keys) == len(keys)
 
     def load():  # LMDB -> checksum -> host slots -> worker rows
-        engine.evict(tier=Tier.HOST)
         assert engine.load(dest, keys, dst_rows).bytes_from == {Tier.DISK: len(keys) * layout.page_bytes}
-    figures = [median_seconds(f, repeat=3) for f in (store, promote, load)]
+    figures = [median_seconds(store, repeat=3, setup=lambda: engine.evict(tier=Tier.DISK)),
+               median_seconds(promote, repeat=3, setup=lambda: engine.evict(tier=Tier.HOST)),
+               median_seconds(load, repeat=3, setup=lambda: engine.evict(tier=Tier.HOST))]
     assert all(torch.equal(d[dst_rows], s[src_rows]) for d, s in zip(dest.paged, source.paged))
     engine.close(flush=False)
     return figures

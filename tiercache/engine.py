@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -27,14 +27,14 @@ from tiercache.errors import FailedPrecondition, InvalidArgument, ResourceExhaus
 from tiercache.hashing import Keys, PageKey, key_array, key_list
 from tiercache.index import Hit, Index, Kind, Match, StopReason, Tier
 from tiercache.layout import Layout
-from tiercache.movement import Group, Movement
+from tiercache.movement import Group, Movement, Transfer
 from tiercache.policy import PolicyConfig, make_policy
 from tiercache.results import EngineStats, LoadResult, StoreResult, TierStats
 from tiercache.tiering import Tiering
 from tiercache.tiers.arena import SlotArena
 from tiercache.tiers.disk import DiskConfig, DiskTier
 from tiercache.tiers.host import HostConfig, host_arena
-from tiercache.transfer import CpuTransfer
+from tiercache.transfer import CpuTransfer, CudaTransfer
 from tiercache.tuning import AlphaTuner
 
 _LOAD_ATTEMPTS = 4  # a damaged entry found during a load drops it and retries the load
@@ -53,12 +53,13 @@ class EngineConfig:
             object.__setattr__(self, "policy", PolicyConfig(eviction=self.policy))
 
 
-def _pages(buffers: WorkerBuffers) -> Group:
-    return Group(Kind.PAGE, buffers.paged, buffers.page_offsets, buffers.layout.page_bytes)
+def _pages(buffers: WorkerBuffers, transfer: Transfer) -> Group:
+    return Group(Kind.PAGE, buffers.paged, buffers.page_offsets, buffers.layout.page_bytes, transfer)
 
 
-def _checkpoints(buffers: WorkerBuffers) -> Group:
-    return Group(Kind.CHECKPOINT, buffers.slots, buffers.slot_offsets, buffers.layout.checkpoint_bytes)
+def _checkpoints(buffers: WorkerBuffers, transfer: Transfer) -> Group:
+    return Group(Kind.CHECKPOINT, buffers.slots, buffers.slot_offsets,
+                 buffers.layout.checkpoint_bytes, transfer)
 
 
 class Engine:
@@ -69,6 +70,7 @@ class Engine:
         self.host = host
         self.disk = disk
         self.transfer = CpuTransfer(config.copy_threads)
+        self._cuda: dict[int, CudaTransfer] = {}  # one per GPU that workers use, made on demand
         self._lock = threading.RLock()
         self._inflight: set[tuple[Kind, PageKey]] = set()
         self._closing = self._closed = False
@@ -148,6 +150,9 @@ class Engine:
         finally:
             self.moving.stop()
             with self._lock:
+                for cuda in self._cuda.values():
+                    cuda.close()  # waits for every copy in flight
+                self.moving.reap()
                 self.transfer.close()
                 self.host.close()
                 if self.disk is not None:
@@ -158,13 +163,32 @@ class Engine:
         if self._closing:
             raise FailedPrecondition("the engine is closed: open a new one with Engine.open")
 
+    def _transfer_for(self, buffers: WorkerBuffers) -> Transfer:
+        """The copy path for a worker's buffers, chosen by the device they live on."""
+        if buffers.device.type != "cuda":
+            return self.transfer
+        with self._lock:
+            index = buffers.device.index or 0
+            if index not in self._cuda:
+                self._cuda[index] = CudaTransfer.open(buffers.device)
+            return self._cuda[index]
+
+    def quiesce(self, buffers: WorkerBuffers) -> None:
+        """Return once no copy of this engine touches `buffers` (before they are unmapped)."""
+        transfer = self._transfer_for(buffers)
+        transfer.synchronize()
+        with self._lock:
+            self.moving.reap()
+
     # -- store ------------------------------------------------------------------------
     def store(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
-              checkpoints: Mapping[int, int] | None = None) -> StoreResult:
+              checkpoints: Mapping[int, int] | None = None, ready: Any = None) -> StoreResult:
         """Store a prompt after prefill: its KV pages (keys[i] from rows[i]; none for a
         layout without paged buffers) and, of the checkpoints offered, {pages: state slot}
         (each the state after that many pages), those the admission policy keeps. The
-        result names the checkpoints now cached."""
+        result names the checkpoints now cached. On a GPU, copies start after `ready` (an
+        event the worker recorded after writing the rows); the call returns when the
+        worker may reuse its rows."""
         layout, chain = buffers.layout, key_array(keys)
         offered = dict(checkpoints or {})
         bad = [n for n in offered if not 0 < n <= len(chain)]
@@ -186,16 +210,19 @@ class Engine:
         with self._lock:
             self.counters["declined_checkpoints"] += len(offered) - len(kept)
         return self._store_chain(buffers, chain, src if layout.needs_pages else None,
-                                 {n: slots[n] for n in kept.tolist()})
+                                 {n: slots[n] for n in kept.tolist()}, ready)
 
-    def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int]) -> StoreResult:
+    def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],
+                    ready: Any = None) -> StoreResult:
         """Store the KV pages of a prompt: keys[i] (page i+1 of the chain) from rows[i]."""
         if not buffers.layout.needs_pages:
             raise InvalidArgument("this layout has no paged buffers: store a checkpoint instead")
         chain = key_array(keys)
-        return self._store_chain(buffers, chain, self._page_rows(buffers.layout, chain, rows), {})
+        return self._store_chain(buffers, chain, self._page_rows(buffers.layout, chain, rows),
+                                 {}, ready)
 
-    def store_checkpoint(self, buffers: WorkerBuffers, keys: Keys, slot: int) -> StoreResult:
+    def store_checkpoint(self, buffers: WorkerBuffers, keys: Keys, slot: int,
+                         ready: Any = None) -> StoreResult:
         """Store the state in `slot`, taken after the last page of the chain `keys` (always:
         admission applies to the checkpoints `store` is offered)."""
         if not buffers.layout.needs_checkpoint:
@@ -204,7 +231,7 @@ class Engine:
         if not len(chain):
             raise InvalidArgument("a checkpoint needs the page keys of its prefix, got none")
         src = row_ids([slot], buffers.layout.slot_rows, "state slot")
-        return self._store_chain(buffers, chain, None, {len(chain): int(src[0])})
+        return self._store_chain(buffers, chain, None, {len(chain): int(src[0])}, ready)
 
     def _page_rows(self, layout: Layout, chain: np.ndarray, rows: Sequence[int]) -> np.ndarray:
         src = row_ids(rows, layout.page_rows, "kv row")
@@ -220,7 +247,7 @@ class Engine:
         return int(missing[0]) if len(missing) else len(chain)
 
     def _store_chain(self, buffers: WorkerBuffers, chain: np.ndarray, src: np.ndarray | None,
-                     offers: dict[int, int]) -> StoreResult:
+                     offers: dict[int, int], ready: Any = None) -> StoreResult:
         """Store the pages of a chain (if `src`) and checkpoints {pages: slot}, all under one
         stamp, each entry rated by what it saves (admission.entry_values)."""
         layout, depths = buffers.layout, np.array(sorted(offers), np.int64)
@@ -231,25 +258,27 @@ class Engine:
                      else np.empty(0, np.int64))
         ends = np.union1d(np.flatnonzero(found >= 0) + 1, depths)
         page_values, end_values = entry_values(layout, len(chain), ends)
+        transfer = self._transfer_for(buffers)
         result = StoreResult(0, 0, 0)
         if src is not None:
-            result += self._store(_pages(buffers), chain, np.arange(1, len(chain) + 1), src,
-                                  page_values, stamp)[0]
+            result += self._store(_pages(buffers, transfer), chain, np.arange(1, len(chain) + 1),
+                                  src, page_values, stamp, ready)[0]
         elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
             with self._lock:
                 rows = self.index.rows_of(Kind.PAGE, chain)
                 self.index.raise_values(rows[rows >= 0], page_values[rows >= 0])
         if len(depths):
-            part, kept = self._store(_checkpoints(buffers), chain[depths - 1], depths,
+            part, kept = self._store(_checkpoints(buffers, transfer), chain[depths - 1], depths,
                                      np.array([offers[d] for d in depths.tolist()], np.int64),
-                                     end_values[np.searchsorted(ends, depths)], stamp)
+                                     end_values[np.searchsorted(ends, depths)], stamp, ready)
             result += StoreResult(part.stored, part.present, part.skipped,
                                   tuple(depths[kept].tolist()))
         return result
 
     def _store(self, group: Group, keys: np.ndarray, depths: np.ndarray, src: np.ndarray,
-               values: np.ndarray, stamp: int) -> tuple[StoreResult, np.ndarray]:
+               values: np.ndarray, stamp: int, ready: Any) -> tuple[StoreResult, np.ndarray]:
         """Store entries in the host tier; returns the result and which keys are cached now."""
+        group.transfer.wait_for(ready, "store")
         todo, claimed = self._claim(group.kind, keys, values, stamp)
         stored = 0
         try:
@@ -290,6 +319,7 @@ class Engine:
         writing. Returns (positions of the claimed keys, their claims)."""
         with self._lock:
             self._check_open()
+            self.moving.reap()
             existing = self.index.rows_of(kind, keys)
             present = existing >= 0
             self.index.touch(existing[present], stamp)
@@ -303,9 +333,11 @@ class Engine:
             return (new[free] if len(new) else new), claimed
 
     def _gather(self, group: Group, src: np.ndarray, slots: np.ndarray) -> None:
+        """Copy worker rows into host slots; returns once the worker may reuse the rows."""
         pool = self.host.pool(group.nbytes)
         for part in pool.parts(slots):
-            self.transfer.gather(group.buffers, group.offsets, src, part)
+            group.transfer.gather(group.buffers, group.offsets, src, part)
+        group.transfer.fence("store").synchronize()  # this batch only, not the device
 
     # -- match and load -----------------------------------------------------------------
     def match(self, layout: Layout, keys: Keys, prefetch: bool = False) -> Match:
@@ -322,15 +354,22 @@ class Engine:
 
     def _match(self, layout: Layout, keys: np.ndarray) -> Hit:
         self._check_open()
+        self.moving.reap()
         self.index.tick()
         hit = self.index.match(keys, layout.page_tokens, layout.needs_pages, layout.needs_checkpoint)
         self.index.touch(hit.rows)
         return hit
 
     def load(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
-             slot: int | None = None) -> LoadResult:
+             slot: int | None = None, ready: Any = None, asynchronous: bool = False) -> LoadResult:
         """Copy the longest hybrid match of `keys` (at most len(rows) pages) into `rows` and
-        `slot`. Fails as a whole: a damaged entry is dropped and the load redone shorter."""
+        `slot`. Fails as a whole: a damaged entry is dropped and the load redone shorter.
+        A load of entries a promotion is still moving waits for it.
+
+        On a GPU, copies start after `ready` (an event the worker recorded after its last
+        use of the rows). The call returns when the bytes are in place, or, if
+        `asynchronous`, at once with `LoadResult.done`: an interprocess event the worker's
+        stream waits on; the entries stay pinned until it completes."""
         layout, keys = buffers.layout, key_array(keys)
         dst = row_ids(rows, layout.page_rows, "kv row", unique=True)
         limit = len(dst) if layout.needs_pages else len(keys)
@@ -346,16 +385,19 @@ class Engine:
                 if hit.match.pages == 0:
                     return LoadResult(hit.match, {}, damaged)
                 self.index.pin(hit.rows)
-            moves = [(_pages(buffers), hit.page_rows, dst[:hit.match.pages])]
+            transfer = self._transfer_for(buffers)
+            transfer.wait_for(ready, "load")
+            moves = [(_pages(buffers, transfer), hit.page_rows, dst[:hit.match.pages])]
             if hit.checkpoint_row is not None:
-                moves.append((_checkpoints(buffers), np.array([hit.checkpoint_row]), dst_slot))
-            done = self.moving.deliver(hit.rows, moves)
+                moves.append((_checkpoints(buffers, transfer), np.array([hit.checkpoint_row]),
+                              dst_slot))
+            done = self.moving.deliver(hit.rows, moves, transfer, asynchronous)
             damaged += done.damaged
             if not done.damaged:
                 with self._lock:
                     self.counters["loads"] += 1
                     self.counters["loaded_pages"] += hit.match.pages
-                return LoadResult(hit.match, done.bytes_from, damaged)
+                return LoadResult(hit.match, done.bytes_from, damaged, done.event)
         return LoadResult(Match(0, 0, len(keys), b"", None, StopReason.MISSING_PAGE), {}, damaged)
 
     def prefetch(self, layout: Layout, keys: Keys, wait: bool = True) -> int:
@@ -369,11 +411,11 @@ class Engine:
             if not wait:
                 return self.moving.start_promotion(hit.rows)
             self.index.pin(hit.rows)
-        moves = [(Group(Kind.PAGE, (), [], layout.page_bytes), hit.page_rows, None)]
+        moves = [(Group(Kind.PAGE, (), [], layout.page_bytes, self.transfer), hit.page_rows, None)]
         if hit.checkpoint_row is not None:
-            moves.append((Group(Kind.CHECKPOINT, (), [], layout.checkpoint_bytes),
+            moves.append((Group(Kind.CHECKPOINT, (), [], layout.checkpoint_bytes, self.transfer),
                           np.array([hit.checkpoint_row]), None))
-        return self.moving.deliver(hit.rows, moves).promoted
+        return self.moving.deliver(hit.rows, moves, self.transfer).promoted
 
     def evict(self, keys: Keys | None = None, tier: Tier | None = None) -> int:
         """Drop the pages and checkpoints named by `keys` (all entries if None) from `tier`

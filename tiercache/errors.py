@@ -23,3 +23,11 @@ class ResourceExhausted(TiercacheError):
 
 class FailedPrecondition(TiercacheError):
     """The request is well formed but the state does not allow it now."""
+
+
+class DeadlineExceeded(TiercacheError):
+    """The caller's deadline passed before the work could start."""
+
+
+class Unavailable(TiercacheError):
+    """The daemon cannot be reached, or went away."""

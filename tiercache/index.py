@@ -150,10 +150,7 @@ class Index:
         walked = int(missing[0]) if missing.size else len(keys)
         pages, checkpoint_row = walked, None
         if needs_checkpoint:
-            found = self._maps[Kind.CHECKPOINT].lookup(keys[:walked])
-            have = np.flatnonzero(found >= 0)
-            pages = int(have[-1]) + 1 if have.size else 0
-            checkpoint_row = int(found[pages - 1]) if pages else None
+            pages, checkpoint_row = self._deepest_checkpoint(keys[:walked])
         rows = page_rows[:pages] if needs_pages else page_rows
         if pages == len(keys):
             stop = StopReason.END_OF_PROMPT
@@ -169,6 +166,18 @@ class Index:
                 int(best_tiers(tiers[[checkpoint_row]])[0])),
             stop=stop)
         return Hit(match, rows, checkpoint_row)
+
+    def _deepest_checkpoint(self, keys: np.ndarray) -> tuple[int, int | None]:
+        """(pages, row) of the checkpoint at the deepest of `keys` that has one; (0, None)."""
+        checkpoints = self._maps[Kind.CHECKPOINT]
+        if not len(keys):
+            return 0, None
+        last = checkpoints.get(keys[-1])  # the usual case: the hit ends at a checkpoint
+        if last >= 0:
+            return len(keys), last
+        rows = checkpoints.lookup(keys[:-1])
+        found = np.flatnonzero(rows >= 0)
+        return (0, None) if not found.size else (int(found[-1]) + 1, int(rows[found[-1]]))
 
     # -- updates ----------------------------------------------------------------------
     def publish(self, kind: Kind, keys: np.ndarray, depths: Sequence[int], nbytes: int,

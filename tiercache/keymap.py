@@ -15,7 +15,7 @@ import numpy as np
 EMPTY = 0
 GONE = 1  # a tombstone: probing goes on past it, inserting may reuse it
 _BASE = 2  # a live record stores row + 2
-_TAIL = 32  # keys still probing when this few are left are probed one by one
+_TAIL = 8  # keys still probing when this few are left are probed one by one
 _MIN_CAPACITY = 1024
 
 
@@ -43,35 +43,41 @@ class KeyMap:
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """The row of each key (n, 2), or -1 where a key is absent."""
-        slots = self._find(keys)
-        rows = np.full(len(keys), -1, np.int64)
-        present = slots >= 0
-        rows[present] = self._table[slots[present], 2].astype(np.int64) - _BASE
-        return rows
+        return self._find(keys)[1]
 
-    def _find(self, keys: np.ndarray) -> np.ndarray:
-        """The table slot of each key, or -1 where it is absent."""
+    def get(self, key: np.ndarray) -> int:
+        """The row of one key (a uint64 pair), or -1: without numpy's per-call overhead."""
+        lo, hi = key.tolist()
+        return self._probe(lo, hi, lo & self._mask)[1]
+
+    def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(table slot, row) of each key; both -1 where it is absent."""
         lo, hi = split(keys)
-        found = np.full(len(keys), -1, np.int64)
-        pending = np.arange(len(keys))
         at = (lo & np.uint64(self._mask)).astype(np.int64)
+        records = np.take(self._table, at, axis=0)  # one gather: numpy's fastest
+        hit = (records[:, 0] == lo) & (records[:, 1] == hi) & (records[:, 2] >= _BASE)
+        slots = np.where(hit, at, -1)
+        rows = np.where(hit, records[:, 2].astype(np.int64) - _BASE, -1)
+        pending = np.flatnonzero(~hit & (records[:, 2] != EMPTY))  # an empty slot: absent
+        at = (at[pending] + 1) & self._mask
         while len(pending) > _TAIL:  # most keys end after a probe or two
-            records = np.take(self._table, at, axis=0)  # one gather: numpy's fastest
-            hit = (records[:, 2] >= _BASE) & (records[:, 0] == lo[pending]) & (records[:, 1] == hi[pending])
-            found[pending[hit]] = at[hit]
-            going = ~hit & (records[:, 2] != EMPTY)  # an empty slot ends the probe: absent
+            records = np.take(self._table, at, axis=0)
+            hit = (records[:, 0] == lo[pending]) & (records[:, 1] == hi[pending]) & (records[:, 2] >= _BASE)
+            slots[pending[hit]] = at[hit]
+            rows[pending[hit]] = records[hit, 2].astype(np.int64) - _BASE
+            going = ~hit & (records[:, 2] != EMPTY)
             pending, at = pending[going], (at[going] + 1) & self._mask
         for key, start in zip(pending.tolist(), at.tolist()):  # the few long probes, one by one
-            found[key] = self._probe(int(lo[key]), int(hi[key]), start)
-        return found
+            slots[key], rows[key] = self._probe(int(lo[key]), int(hi[key]), start)
+        return slots, rows
 
-    def _probe(self, lo: int, hi: int, at: int) -> int:
+    def _probe(self, lo: int, hi: int, at: int) -> tuple[int, int]:
         while True:
             record_lo, record_hi, row = self._table[at].tolist()
             if row >= _BASE and record_lo == lo and record_hi == hi:
-                return at
+                return at, row - _BASE
             if row == EMPTY:
-                return -1
+                return -1, -1
             at = (at + 1) & self._mask
 
     def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
@@ -95,7 +101,7 @@ class KeyMap:
 
     def delete(self, keys: np.ndarray) -> None:
         """Remove keys that are present."""
-        slots = self._find(keys)
+        slots = self._find(keys)[0]
         assert np.all(slots >= 0), "delete of an absent key"
         self._table[slots, 2] = GONE
         self._tombstones += len(keys)

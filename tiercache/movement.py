@@ -2,7 +2,8 @@
 
 - Loads: `deliver` brings pinned entries into host memory (a disk hit is promoted to the
   host on the way, or read into a staging buffer when the host has no room) and scatters
-  them into the worker's rows.
+  them into the worker's rows. An asynchronous (GPU) load keeps its entries pinned until
+  the event its copies end with completes (`reap`).
 - Promotions: a match may ask for its disk hits to move up ahead of the load
   (`start_promotion`); the background thread reads them into host slots nobody can see
   and publishes them once the copy is complete. Every entry being promoted, by that
@@ -23,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +34,9 @@ from tiercache.index import Index, Kind, Tier
 from tiercache.policy import WriteConfig
 from tiercache.tiering import Tiering
 from tiercache.tiers.arena import SlabPart
-from tiercache.transfer import CpuTransfer
+from tiercache.transfer import CpuTransfer, CudaTransfer
+
+Transfer = CpuTransfer | CudaTransfer
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Group:
     buffers: tuple[torch.Tensor, ...]
     offsets: list[int]
     nbytes: int
+    transfer: Transfer  # the copy path of the worker's device
 
 
 @dataclass
@@ -58,6 +63,7 @@ class Delivery:
     bytes_from: dict[Tier, int]
     damaged: int
     promoted: int
+    event: Any = None  # asynchronous loads: the event that marks the copies done
 
 
 class Movement:
@@ -74,6 +80,10 @@ class Movement:
         self._moves: list[Move] = []  # every promotion in flight
         self._queued: deque[Move] = deque()  # promotions waiting for the background thread
         self._to_write: deque[np.ndarray] = deque()  # rows to write to disk, oldest first
+        self._pending: list[tuple[Any, np.ndarray, list[torch.Tensor]]] = []  # async loads
+        # the last interprocess events handed out: a worker may open one after its copy is
+        # done, and an exported event must still exist then
+        self._handed_out: deque = deque(maxlen=1024)
         self.stopped = False
 
     # -- the background thread ------------------------------------------------------------
@@ -232,47 +242,84 @@ class Movement:
         move.done.set()
 
     # -- loads ------------------------------------------------------------------------------
-    def deliver(self, pinned: np.ndarray, moves: list[tuple[Group, np.ndarray, np.ndarray | None]]
-                ) -> Delivery:
+    def reap(self) -> None:
+        """Unpin the entries of asynchronous loads whose copies have finished. Call under
+        the lock."""
+        if self._pending:
+            waiting = []
+            for event, rows, staging in self._pending:
+                if event.query():
+                    self.index.unpin(rows)
+                else:
+                    waiting.append((event, rows, staging))
+            self._pending = waiting
+
+    def deliver(self, pinned: np.ndarray, moves: list[tuple[Group, np.ndarray, np.ndarray | None]],
+                transfer: Transfer, asynchronous: bool = False) -> Delivery:
         """Bring pinned entries into host memory (promoting disk hits) and, where a move
-        names destination rows, scatter them into the worker. Unpins `pinned` at the end."""
+        names destination rows, scatter them into the worker. `pinned` is unpinned when
+        the copies are done: now, or, for an asynchronous load, once its event completes."""
         done = Delivery({}, 0, 0)
         damaged: list[int] = []
         promoted: list[tuple[Move, list[int], int]] = []  # (move, host slots, nbytes)
+        staging: list[torch.Tensor] = []  # must outlive the copies that read it
         try:
             self.await_moves(pinned)
             for group, entry_rows, dst in moves:
                 staged = self._stage(group, entry_rows, dst is not None, damaged, promoted)
                 if staged is None or dst is None:
                     continue
-                parts, from_disk = staged
+                parts, from_disk, buffer = staged
+                staging.append(buffer)
                 for part in parts:
-                    self.transfer.scatter(part, group.buffers, group.offsets, dst)
-                for tier, count in ((Tier.HOST, len(entry_rows) - from_disk), (Tier.DISK, from_disk)):
+                    transfer.scatter(part, group.buffers, group.offsets, dst)
+                for tier, count in ((Tier.HOST, len(entry_rows) - from_disk),
+                                    (Tier.DISK, from_disk)):
                     if count:
                         done.bytes_from[tier] = done.bytes_from.get(tier, 0) + count * group.nbytes
+            done.event = transfer.fence("load", interprocess=asynchronous)
+            if not asynchronous:
+                done.event.synchronize()
+        except BaseException:
+            transfer.synchronize()  # nothing may still read entries we are about to unpin
+            raise
         finally:
             with self.lock:
-                self.index.unpin(pinned)
-                for move, slots, nbytes in promoted:
-                    if damaged:
-                        self.host.free(nbytes, slots)
-                    else:
-                        self.index.add_tier(move.rows, Tier.HOST, slots)
-                        done.promoted += len(move.rows)
-                    self._moves.remove(move)
-                    move.done.set()
-                self.counters["promoted"] += done.promoted
-                self.tiers.drop(np.asarray(damaged, np.int64))
+                self._settle(done, pinned, staging, promoted, damaged, asynchronous)
         done.damaged = len(damaged)
+        if not asynchronous:
+            done.event = None
         return done
 
+    def _settle(self, done: Delivery, pinned: np.ndarray, staging: list[torch.Tensor],
+                promoted: list[tuple[Move, list[int], int]], damaged: list[int],
+                asynchronous: bool) -> None:
+        """After a delivery (under the lock): unpin or leave pinned for the copies still
+        running, publish the promotions (none if an entry was damaged), drop the damaged."""
+        if done.event is not None and asynchronous and not damaged:
+            self._pending.append((done.event, pinned, staging))
+            self._handed_out.append(done.event)
+        else:
+            self.index.unpin(pinned)
+        for move, slots, nbytes in promoted:
+            if damaged:
+                self.host.free(nbytes, slots)
+            else:
+                self.index.add_tier(move.rows, Tier.HOST, slots)
+                done.promoted += len(move.rows)
+            self._moves.remove(move)
+            move.done.set()
+        self.counters["promoted"] += done.promoted
+        self.tiers.drop(np.asarray(damaged, np.int64))
+
     def _stage(self, group: Group, entry_rows: np.ndarray, staging_ok: bool, damaged: list[int],
-               promoted: list[tuple[Move, list[int], int]]) -> tuple[list[SlabPart], int] | None:
+               promoted: list[tuple[Move, list[int], int]]
+               ) -> tuple[list[SlabPart], int, torch.Tensor] | None:
         """Host memory holding the pinned `entry_rows`: their host slots, where disk entries
         are first read into new host slots (promotion) or, when the host has no room or
-        another promotion owns them and `staging_ok`, into a staging buffer. Returns
-        (parts, entries read from disk), or None when a disk entry turned out damaged."""
+        another promotion owns them and `staging_ok`, into a staging buffer (page-locked
+        for a GPU). Returns (parts, entries read from disk, the staging buffer), or None
+        when a disk entry turned out damaged."""
         nbytes = group.nbytes
         with self.lock:
             in_host = self.index.in_tier(entry_rows, Tier.HOST)
@@ -289,7 +336,8 @@ class Movement:
         if not staging_ok:
             from_disk = from_disk[:len(promo)]
         pool = self.host.pool(nbytes)
-        staging = torch.empty((len(from_disk) - len(promo), nbytes), dtype=torch.uint8)
+        staging = torch.empty((len(from_disk) - len(promo), nbytes), dtype=torch.uint8,
+                              pin_memory=group.transfer.device.type == "cuda")
         if len(from_disk):
             bad = self.tiers.read_disk(group.kind, entry_rows[from_disk],
                                        [pool.view(s) for s in promo] + list(staging))
@@ -301,4 +349,4 @@ class Movement:
         parts = [SlabPart(p.slab, p.local, at[p.positions]) for p in pool.parts(slots[at])]
         if len(staging):
             parts.append(SlabPart(staging, np.arange(len(staging)), from_disk[len(promo):]))
-        return parts, len(from_disk)
+        return parts, len(from_disk), staging

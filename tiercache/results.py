@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tiercache.index import Match, Tier
 
@@ -24,6 +25,7 @@ class LoadResult:
     match: Match  # what is now in the worker's rows
     bytes_from: dict[Tier, int]  # bytes copied out of each tier
     damaged: int  # damaged entries dropped on the way (each one retried the load)
+    done: Any = None  # asynchronous GPU loads: the (interprocess) event that marks the bytes in place
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,14 @@
 An entry is the concatenation of one row of every buffer in a group (the paged buffers
 for a KV page, the slot buffers for a checkpoint), at the offsets the layout gives.
 `gather` copies worker rows into entries, `scatter` copies entries into worker rows;
-both take one call per batch, not one per row. This is the CPU path: one vectorised copy
-per buffer, reading or writing the arena side as a slice whenever the slots form a
-consecutive run (the usual case), so every byte is copied once.
+both take one call per batch, not one per row. The engine picks the path once per
+worker, by where its buffers live:
+
+- CpuTransfer: one vectorised copy per buffer on a few threads, reading or writing the
+  arena side as a slice whenever the slots form a consecutive run (the usual case), so
+  every byte is copied once. Synchronous.
+- CudaTransfer: one Triton launch per batch over all buffers (kernels.py), on this
+  GPU's own streams; `fence` hands back the event that marks the batch done.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ def _by_slot(part: SlabPart, rows: np.ndarray) -> tuple[slice | np.ndarray, np.n
 
 
 class CpuTransfer:
+    device = torch.device("cpu")
+
     def __init__(self, threads: int = 2) -> None:
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
@@ -48,12 +55,15 @@ class CpuTransfer:
                rows: np.ndarray, part: SlabPart) -> None:
         """part.slab[part.local[i], entry bytes of buffer b] = buffers[b][rows[part.positions[i]]]."""
         slots, rows = _by_slot(part, rows)
-        for buffer, at in zip(buffers, offsets):
+        index = torch.from_numpy(rows)
+
+        def copy(buffer: torch.Tensor, at: int) -> Callable[[], None]:
             width = buffer.shape[1]
-            if isinstance(slots, slice):  # straight into the strided slice: torch's own threads
-                torch.index_select(buffer, 0, torch.from_numpy(rows), out=part.slab[slots, at:at + width])
-            else:
-                part.slab.numpy()[slots, at:at + width] = buffer.numpy()[rows]
+            if isinstance(slots, slice):  # straight into the strided slice, one pass
+                return lambda: torch.index_select(buffer, 0, index, out=part.slab[slots, at:at + width])
+            return lambda: part.slab.numpy().__setitem__((slots, slice(at, at + width)),
+                                                         buffer.numpy()[rows])
+        self._each([copy(b, at) for b, at in zip(buffers, offsets)])
 
     def scatter(self, part: SlabPart, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
                 rows: np.ndarray) -> None:
@@ -66,7 +76,79 @@ class CpuTransfer:
             return lambda: buffer.numpy().__setitem__(rows, slab[slots, at:at + buffer.shape[1]])
         self._each([copy(b, at) for b, at in zip(buffers, offsets)])
 
+    def wait_for(self, event: object, direction: str) -> None:
+        """Copies here are synchronous: there is nothing to wait for."""
+
+    def fence(self, direction: str, interprocess: bool = False) -> "Done":
+        return Done()
+
+    def synchronize(self) -> None:
+        pass
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+class Done:
+    """A finished copy (the CPU path copies synchronously)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class CudaTransfer:
+    """Owns one GPU's copy streams and events. Worker rows go to slots (stores) on one
+    stream and slots come to worker rows (loads) on another, so a large store never
+    delays a load; each direction keeps its launches in order, and a caller waits for
+    exactly its own work through the event `fence` records, never for the whole device."""
+
+    def __init__(self, device: torch.device, streams: dict[str, torch.cuda.Stream]) -> None:
+        self.device = device
+        self._streams = streams
+
+    @classmethod
+    def open(cls, device: torch.device) -> "CudaTransfer":
+        with torch.cuda.device(device):
+            return cls(device, {"store": torch.cuda.Stream(), "load": torch.cuda.Stream()})
+
+    def wait_for(self, event: torch.cuda.Event | None, direction: str) -> None:
+        """Order this direction's next copies after `event` (the worker's own work)."""
+        if event is not None:
+            self._streams[direction].wait_event(event)
+
+    def _launch(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int], rows: np.ndarray,
+                part: SlabPart, to_slots: bool) -> None:
+        from tiercache.kernels import BufferTable, copy_rows  # Triton only where there is a GPU
+        stream = self._streams["store" if to_slots else "load"]
+        addresses = part.slab.data_ptr() + part.local.astype(np.int64) * part.slab.stride(0)
+        meta = np.stack([rows[part.positions].astype(np.int64), addresses])
+        with torch.cuda.stream(stream):
+            on_device = torch.from_numpy(meta).pin_memory().to(self.device, non_blocking=True)
+            table = BufferTable.of(buffers, offsets, self.device)
+            copy_rows(table, on_device[0], on_device[1], to_slots, stream)
+
+    def gather(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
+               rows: np.ndarray, part: SlabPart) -> None:
+        self._launch(buffers, offsets, rows, part, to_slots=True)
+
+    def scatter(self, part: SlabPart, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
+                rows: np.ndarray) -> None:
+        self._launch(buffers, offsets, rows, part, to_slots=False)
+
+    def fence(self, direction: str, interprocess: bool = False) -> torch.cuda.Event:
+        """An event that completes when every copy launched so far in `direction` has."""
+        event = torch.cuda.Event(interprocess=interprocess)
+        event.record(self._streams[direction])
+        return event
+
+    def synchronize(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
+
+    def close(self) -> None:
+        self.synchronize()

@@ -1,0 +1,99 @@
+"""Match latency over the daemon's Unix socket, beside an empty RPC on the same server.
+
+A daemon process holds a 4k-token and a 32k-token prompt (pages of 16 tokens, a
+checkpoint at the end), so every match walks the whole prompt. The empty RPC is the
+gRPC health check on the same server. Throughput: 8 client processes, each on its own
+channel, matching the 4k prompt in a loop.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import tempfile
+import time
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from benchmarks.common import print_summary, print_table
+from service.process import spawn
+from tiercache.client import Client
+from tiercache.layout import BufferSpec, Layout
+
+LAYOUT = Layout(16, paged=(BufferSpec("kv", 2048, (16, 64), "bfloat16"),),
+                slots=(BufferSpec("state", 2, (256,), "float32"),))
+CLIENTS, SECONDS = 8, 3.0
+
+
+def prompt(tokens: int) -> list[int]:
+    return np.random.default_rng(tokens).integers(0, 150_000, tokens).tolist()
+
+
+def percentiles(call, count: int = 2000) -> tuple[float, float]:
+    for _ in range(200):
+        call()
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return float(np.percentile(times, 50)), float(np.percentile(times, 99))
+
+
+def hammer(address: str, worker_id: str, keys: bytes, ready, go, counts) -> None:
+    from tiercache.v1 import tiercache_pb2 as pb
+    from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
+    stub = pb_grpc.TiercacheStub(grpc.insecure_channel(address))
+    request = pb.MatchRequest(worker_id=worker_id, keys=keys)
+    stub.Match(request)
+    ready.release()
+    go.wait()
+    done, end = 0, time.perf_counter() + SECONDS
+    while time.perf_counter() < end:
+        stub.Match(request)
+        done += 1
+    counts.put(done)
+
+
+def throughput(address: str, worker_id: str, keys: bytes) -> float:
+    ready, go, counts = multiprocessing.Semaphore(0), multiprocessing.Event(), multiprocessing.Queue()
+    clients = [multiprocessing.Process(target=hammer, args=(address, worker_id, keys, ready, go, counts))
+               for _ in range(CLIENTS)]
+    for c in clients:
+        c.start()
+    for _ in clients:
+        ready.acquire()
+    go.set()
+    total = sum(counts.get() for _ in clients)
+    for c in clients:
+        c.join()
+    return total / SECONDS
+
+
+def main() -> None:
+    with spawn(tempfile.mkdtemp(prefix="tiercache-bench-"), "--host-budget", "1GiB") as (address, _):
+        worker = Client(address).register("bench-model", LAYOUT)
+        keys = {}
+        for tokens in (4096, 32768):
+            keys[tokens] = worker.keys(prompt(tokens))
+            pages = len(keys[tokens])
+            worker.store(keys=keys[tokens], kv_rows=range(pages), checkpoints={pages * 16: 0})
+            assert worker.match(keys=keys[tokens]).pages == pages
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+        empty = percentiles(lambda: health.Check(health_pb2.HealthCheckRequest()))
+        match = {t: percentiles(lambda t=t: worker.match(keys=keys[t])) for t in keys}
+        per_s = throughput(address, worker._backend._id, b"".join(keys[4096]))
+        worker.close()
+    rows = [("empty RPC (health)", empty[0] * 1e6, empty[1] * 1e6, 1.0)]
+    rows += [(f"match {t // 1024}k ({t // 16} pages)", m[0] * 1e6, m[1] * 1e6, m[0] / empty[0])
+             for t, m in match.items()]
+    print_table("Match over the Unix socket", ["call", "p50 us", "p99 us", "p50 / empty"], rows)
+    print(f"match 4k, {CLIENTS} client processes: {per_s:.0f} matches/s")
+    print_summary(match32k_over_empty_p50=match[32768][0] / empty[0],
+                  match4k_over_empty_p50=match[4096][0] / empty[0],
+                  match_per_s_8_clients=per_s, empty_p50_us=empty[0] * 1e6)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""`tiercache serve`: the daemon's command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+
+from service import config as service_config
+from service.server import serve
+from tiercache.errors import TiercacheError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV and SSM state cache daemon")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="run the daemon until SIGTERM or Ctrl-C")
+    service_config.add_flags(serve_parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    flags = {f.name: getattr(args, f.name) for f in fields(service_config.ServiceConfig)}
+    try:
+        config = service_config.load(args.config, flags=flags)
+        return serve(config)
+    except (TiercacheError, RuntimeError, OSError) as error:
+        print(f"tiercache: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

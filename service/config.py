@@ -1,0 +1,120 @@
+"""The daemon's one frozen configuration: defaults, then an optional TOML file, then
+TIERCACHE_* environment variables, then command-line flags, each overriding the last."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from tiercache.engine import EngineConfig
+from tiercache.errors import InvalidArgument
+from tiercache.policy import make_policy
+from tiercache.tiers.disk import DiskConfig
+from tiercache.tiers.host import HostConfig
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
+          "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
+
+
+def parse_bytes(value: Any) -> int:
+    """1048576, "1MiB", "1.5 GB" -> bytes."""
+    if isinstance(value, int):
+        return value
+    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not found or found.group(2).lower() not in _UNITS:
+        raise InvalidArgument(f"{value!r} is not a size: write e.g. 4GiB, 512MiB or 1048576")
+    return int(float(found.group(1)) * _UNITS[found.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    data_dir: str = "./tiercache-data"  # LMDB files and, by default, the socket
+    socket: str = ""  # Unix socket path; "" = <data_dir>/tiercache.sock
+    tcp: str = ""  # host:port to listen on as well (opt-in, plaintext unless TLS is set)
+    host_budget: int = 1 << 30  # bytes of host memory for cached entries
+    disk_map_size: int = 16 << 30  # LMDB map size: fixed for the life of the environment
+    disk: bool = True  # keep a disk tier under <data_dir>/lmdb
+    disk_sync: bool = True  # fsync every LMDB commit
+    policy: str = "lru"
+    max_message_bytes: int = 16 << 20
+    max_concurrent_rpcs: int = 64
+    max_workers: int = 32  # registered workers at a time
+    max_prompt_pages: int = 1 << 16  # keys in one request
+    grace_seconds: float = 10.0  # for in-flight calls at shutdown
+    flush_on_exit: bool = True  # write host entries to disk when stopping
+
+    @property
+    def socket_path(self) -> str:
+        return self.socket or os.path.join(self.data_dir, "tiercache.sock")
+
+    def engine(self) -> EngineConfig:
+        disk = DiskConfig(os.path.join(self.data_dir, "lmdb"), self.disk_map_size,
+                          sync=self.disk_sync) if self.disk else None
+        return EngineConfig(host=HostConfig(budget_bytes=self.host_budget), disk=disk,
+                            policy=self.policy)
+
+    def check(self) -> "ServiceConfig":
+        for name in ("host_budget", "disk_map_size", "max_message_bytes", "max_concurrent_rpcs",
+                     "max_workers", "max_prompt_pages"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"{name} must be positive, got {getattr(self, name)}")
+        self.engine()  # the engine's own checks
+        make_policy(self.policy)
+        return self
+
+
+_SIZES = {"host_budget", "disk_map_size", "max_message_bytes"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    kind = {f.name: f.type for f in fields(ServiceConfig)}[name]
+    if name in _SIZES:
+        return parse_bytes(value)
+    if kind == "bool" and isinstance(value, str):
+        if value.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise InvalidArgument(f"{name}={value!r} is not a boolean: use true or false")
+        return value.lower() in ("1", "true", "yes", "on")
+    try:
+        return {"int": int, "float": float, "str": str, "bool": bool}[kind](value)
+    except ValueError:
+        raise InvalidArgument(f"{name}={value!r} is not a valid {kind}") from None
+
+
+def _overrides(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    names = {f.name for f in fields(ServiceConfig)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise InvalidArgument(f"{source}: unknown setting(s) {unknown}; known: {sorted(names)}")
+    return {k: _coerce(k, v) for k, v in values.items()}
+
+
+def load(path: str | None = None, environ: Mapping[str, str] = os.environ,
+         flags: Mapping[str, Any] | None = None) -> ServiceConfig:
+    """Defaults < TOML file < TIERCACHE_* environment < flags."""
+    config = ServiceConfig()
+    if path:
+        with open(path, "rb") as f:
+            config = dataclasses.replace(config, **_overrides(tomllib.load(f), path))
+    env = {k[len("TIERCACHE_"):].lower(): v for k, v in environ.items()
+           if k.startswith("TIERCACHE_") and k != "TIERCACHE_CONFIG"}
+    config = dataclasses.replace(config, **_overrides(env, "environment"))
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    return dataclasses.replace(config, **_overrides(given, "flags")).check()
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One --flag per setting; unset flags leave the file and environment in charge."""
+    parser.add_argument("--config", default=os.environ.get("TIERCACHE_CONFIG"),
+                        help="TOML file with settings (env TIERCACHE_CONFIG)")
+    for f in fields(ServiceConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            parser.add_argument(flag, dest=f.name, default=None,
+                                action=argparse.BooleanOptionalAction)
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper())

@@ -1,0 +1,115 @@
+"""The gRPC servicer: validate, convert, delegate to the engine, convert back. Errors are
+raised as tiercache errors and turned into status codes by service.errors."""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import grpc
+import numpy as np
+import torch
+
+from service.workers import Registration, WorkerRegistry
+from tiercache.engine import Engine
+from tiercache.errors import DeadlineExceeded, InvalidArgument
+from tiercache.hashing import KEY_BYTES
+from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
+from tiercache.wire import (load_to_proto, match_to_proto, store_to_proto, tier_from_proto,
+                            tier_stats_to_proto)
+
+
+def _event(handle: bytes, worker: Registration) -> torch.cuda.Event | None:
+    """The worker's interprocess CUDA event named by `handle`, if any."""
+    if not handle:
+        return None
+    device = worker.buffers.device if worker.buffers is not None else None
+    if device is None or device.type != "cuda":
+        raise InvalidArgument("ready_event is for workers whose buffers are on a GPU")
+    try:
+        return torch.cuda.Event.from_ipc_handle(device, handle)
+    except RuntimeError as error:
+        raise InvalidArgument(f"ready_event is not a CUDA IPC event handle: {error}") from None
+
+
+class TiercacheServicer(pb_grpc.TiercacheServicer):
+    def __init__(self, engine: Engine, registry: WorkerRegistry, max_prompt_pages: int) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.max_prompt_pages = max_prompt_pages
+        self.stopping = threading.Event()
+
+    def _keys(self, data: bytes, context: grpc.ServicerContext) -> np.ndarray:
+        """Check the deadline and the keys of a request; the keys as a uint64 (n, 2) array."""
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceeded("the deadline passed before the call started: nothing was done")
+        if not data:
+            raise InvalidArgument("the prompt has no full page: nothing to match, load or store")
+        if len(data) % KEY_BYTES:
+            raise InvalidArgument(f"keys are {KEY_BYTES} bytes each: {len(data)} bytes is not a "
+                                  "whole number of keys")
+        if len(data) // KEY_BYTES > self.max_prompt_pages:
+            raise InvalidArgument(f"{len(data) // KEY_BYTES} pages exceed the limit of "
+                                  f"{self.max_prompt_pages} per request: split the prompt")
+        return np.frombuffer(data, "<u8").reshape(-1, 2)
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext
+                 ) -> Iterator[pb.RegisterResponse]:
+        registration = self.registry.add(request, tenant="")
+        # the stream's end, for whatever reason (worker gone, unregister, shutdown), unregisters
+        if not context.add_callback(lambda: self.registry.remove(registration.id)):
+            self.registry.remove(registration.id)  # the call ended already
+            return
+        namespace = registration.namespace
+        yield pb.RegisterResponse(worker_id=registration.id, namespace_root=registration.root,
+                                  layout_fingerprint=namespace.layout_fingerprint,
+                                  hash=namespace.hash_name)
+        while not registration.gone.wait(1.0) and not self.stopping.is_set() and context.is_active():
+            pass
+
+    def Unregister(self, request: pb.UnregisterRequest, context: grpc.ServicerContext
+                   ) -> pb.UnregisterResponse:
+        if not self.registry.remove(request.worker_id):
+            with self.registry.use(request.worker_id):  # raises NotFound with the reason
+                pass
+        return pb.UnregisterResponse()
+
+    def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
+        keys = self._keys(request.keys, context)
+        with self.registry.use(request.worker_id) as worker:
+            match = self.engine.match(worker.layout, keys)
+            if request.prefetch and match.pages:
+                self.engine.prefetch(worker.layout, keys[:match.pages])
+        return pb.MatchResponse(match=match_to_proto(match))
+
+    def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
+        keys = self._keys(request.keys, context)
+        with self.registry.use(request.worker_id) as worker:
+            slot = request.slot if request.HasField("slot") else None
+            result = self.engine.load(worker.buffers, keys, np.asarray(request.kv_rows, np.int64), slot,
+                                      ready=_event(request.ready_event, worker),
+                                      asynchronous=request.asynchronous)
+        return load_to_proto(result)
+
+    def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
+        keys = self._keys(request.keys, context)
+        checkpoints = {c.pages: c.slot for c in request.checkpoints}
+        if len(checkpoints) != len(request.checkpoints):
+            raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
+        with self.registry.use(request.worker_id) as worker:
+            result = self.engine.store(worker.buffers, keys, np.asarray(request.kv_rows, np.int64),
+                                       checkpoints, ready=_event(request.ready_event, worker))
+        return store_to_proto(result)
+
+    def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
+        keys = self._keys(request.keys, context)
+        with self.registry.use(request.worker_id):
+            evicted = self.engine.evict(keys, tier_from_proto(request.tier))
+        return pb.EvictResponse(evicted=evicted)
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        stats = self.engine.stats()
+        return pb.StatsResponse(tiers=[tier_stats_to_proto(t) for t in stats.tiers],
+                                counters=stats.counters, workers=len(self.registry))

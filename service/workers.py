@@ -1,0 +1,155 @@
+"""Registered workers: their namespace, their layout and the daemon's view of their
+buffers. A registration is used by many calls at once and removed only when none is
+using it, so no copy ever runs on an unmapped buffer."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from tiercache import cuda_ipc, shm
+from tiercache.buffers import WorkerBuffers
+from tiercache.errors import InvalidArgument, NotFound, ResourceExhausted
+from tiercache.hashing import Namespace, PageKey
+from tiercache.layout import Layout
+from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.wire import layout_from_proto
+
+
+@dataclass
+class Registration:
+    id: str
+    namespace: Namespace
+    root: PageKey
+    buffers: WorkerBuffers | None
+    opened: list = field(default_factory=list)  # CUDA IPC allocations to close at the end
+    active: int = 0
+    gone: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def layout(self) -> Layout:
+        assert self.buffers is not None
+        return self.buffers.layout
+
+
+def map_buffers(layout: Layout, locations: Sequence[pb.BufferLocation]
+                ) -> tuple[WorkerBuffers, list[cuda_ipc.Opened]]:
+    """The daemon's tensors over a worker's buffers, checked against its layout, and the
+    CUDA allocations it opened for them (to close when the worker goes)."""
+    specs = {b.name: b for b in (*layout.paged, *layout.slots)}
+    names = [location.name for location in locations]
+    if sorted(names) != sorted(specs):
+        raise InvalidArgument(f"buffer locations {sorted(names)} do not match the layout's "
+                              f"buffers {sorted(specs)}: give exactly one location per buffer")
+    kinds = {location.WhichOneof("where") for location in locations}
+    if len(kinds) != 1 or None in kinds:
+        raise InvalidArgument(f"buffers must all be in shared memory (shm) or all on one GPU "
+                              f"(cuda), got {sorted(str(k) for k in kinds)}")
+    for location in locations:
+        spec = specs[location.name]
+        if location.nbytes != spec.rows * spec.row_bytes:
+            raise InvalidArgument(f"buffer {spec.name!r}: location says {location.nbytes} bytes, the "
+                                  f"layout needs {spec.rows * spec.row_bytes}")
+    opened: list[cuda_ipc.Opened] = []
+    if kinds == {"shm"}:
+        tensors = shm.attach(layout, {loc.name: (loc.shm.name, int(loc.shm.offset)) for loc in locations})
+    else:
+        tensors = _open_cuda(layout, locations, opened)
+    try:
+        buffers = WorkerBuffers.bind(layout, {b.name: tensors[b.name] for b in layout.paged},
+                                     {b.name: tensors[b.name] for b in layout.slots})
+    except Exception:
+        tensors.clear()
+        for allocation in opened:
+            allocation.close()
+        raise
+    return buffers, opened
+
+
+def _open_cuda(layout: Layout, locations: Sequence[pb.BufferLocation],
+               opened: list[cuda_ipc.Opened]) -> dict[str, torch.Tensor]:
+    """Open each CUDA allocation once and view every buffer at its offset."""
+    if len({loc.cuda.device_uuid for loc in locations}) != 1:
+        raise InvalidArgument("a worker's CUDA buffers must all be on one GPU: register one "
+                              "worker per GPU")
+    device = cuda_ipc.local_device(locations[0].cuda.device_uuid)
+    specs = {b.name: b for b in (*layout.paged, *layout.slots)}
+    allocations: dict[bytes, cuda_ipc.Opened] = {}
+    tensors = {}
+    for location in locations:
+        handle = bytes(location.cuda.handle)
+        if handle not in allocations:
+            allocations[handle] = cuda_ipc.Opened(handle, device)
+            opened.append(allocations[handle])
+        spec = specs[location.name]
+        raw = allocations[handle].view(int(location.cuda.offset), int(location.nbytes))
+        tensors[location.name] = raw.view(getattr(torch, spec.dtype)).view(spec.shape)
+    return tensors
+
+
+class WorkerRegistry:
+    def __init__(self, max_workers: int, quiesce: Callable[[WorkerBuffers], None]) -> None:
+        self.max_workers = max_workers
+        self._quiesce = quiesce  # returns once no copy touches these buffers
+        self._workers: dict[str, Registration] = {}
+        self._changed = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def add(self, request: pb.RegisterRequest, tenant: str) -> Registration:
+        if not request.model_id:
+            raise InvalidArgument("model_id is empty: name the model whose bytes these are")
+        layout = layout_from_proto(request.layout)
+        namespace = Namespace(request.model_id, layout.fingerprint, tenant,
+                              tuple(request.extra_keys), request.hash or "xxh3_128")
+        buffers, opened = map_buffers(layout, request.buffers)
+        registration = Registration(secrets.token_hex(12), namespace, namespace.root(), buffers, opened)
+        with self._changed:
+            if len(self._workers) >= self.max_workers:
+                raise ResourceExhausted(f"{self.max_workers} workers are registered already: "
+                                        "unregister one or raise --max-workers")
+            self._workers[registration.id] = registration
+        return registration
+
+    @contextmanager
+    def use(self, worker_id: str) -> Iterator[Registration]:
+        with self._changed:
+            registration = self._workers.get(worker_id)
+            if registration is None:
+                raise NotFound(f"worker {worker_id!r} is not registered (it unregistered, its "
+                               "registration stream closed, or the daemon restarted): register again")
+            registration.active += 1
+        try:
+            yield registration
+        finally:
+            with self._changed:
+                registration.active -= 1
+                self._changed.notify_all()
+
+    def remove(self, worker_id: str) -> bool:
+        """Forget a worker once no call uses it: wait for the copies still touching its
+        buffers (asynchronous loads), then close its CUDA allocations; shared-memory
+        mappings go with the last reference."""
+        with self._changed:
+            registration = self._workers.pop(worker_id, None)
+            if registration is None:
+                return False
+            while registration.active:
+                self._changed.wait()
+            if registration.buffers is not None:
+                self._quiesce(registration.buffers)
+            registration.buffers = None
+        for allocation in registration.opened:
+            allocation.close()
+        registration.gone.set()
+        return True
+
+    def remove_all(self) -> None:
+        for worker_id in list(self._workers):
+            self.remove(worker_id)

@@ -1,0 +1,101 @@
+"""Every RPC given bad input answers the right status and leaves the cache as it was."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tests.service.daemon import running_daemon
+from tests.service.worker_process import LAYOUT, prompt
+from tiercache.client import Client
+from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
+from tiercache.wire import layout_to_proto
+
+CODE = grpc.StatusCode
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A daemon with small limits, one registered worker and one stored prompt."""
+    folder = tmp_path_factory.mktemp("daemon")
+    with running_daemon(folder, "--max-message-bytes", "1MiB", "--max-prompt-pages", "1000") as (address, _):
+        client = Client(address)
+        worker = client.register("test-model", LAYOUT)
+        worker.store(prompt(0), kv_rows=range(6), checkpoints={96: 0})
+        stub = pb_grpc.TiercacheStub(grpc.insecure_channel(address))
+        yield client, worker, stub
+        worker.close()
+
+
+def snapshot(client):
+    stats = client.stats()
+    return stats.tiers, stats.counters
+
+
+def keys_of(worker, tokens=None):
+    return b"".join(worker.keys(prompt(0) if tokens is None else tokens))
+
+
+CASES = {
+    "match, unknown worker": (CODE.NOT_FOUND, lambda s, w: s.Match(
+        pb.MatchRequest(worker_id="nobody", keys=keys_of(w)))),
+    "load, row out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
+        pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w), kv_rows=[1, 2, 64], slot=1))),
+    "load, slot out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
+        pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w), kv_rows=[1, 2], slot=16))),
+    "store, row out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Store(
+        pb.StoreRequest(worker_id=w._backend._id, keys=keys_of(w, list(range(96))),
+                        kv_rows=[0, 1, 2, 3, 4, 99]))),
+    "store, checkpoint past the prompt": (CODE.INVALID_ARGUMENT, lambda s, w: s.Store(
+        pb.StoreRequest(worker_id=w._backend._id, keys=keys_of(w, list(range(96))),
+                        kv_rows=range(6), checkpoints=[pb.Checkpoint(pages=7, slot=0)]))),
+    "store, two checkpoints at one page": (CODE.INVALID_ARGUMENT, lambda s, w: s.Store(
+        pb.StoreRequest(worker_id=w._backend._id, keys=keys_of(w, list(range(96))), kv_rows=range(6),
+                        checkpoints=[pb.Checkpoint(pages=6, slot=0), pb.Checkpoint(pages=6, slot=1)]))),
+    "register, wrong layout": (CODE.INVALID_ARGUMENT, lambda s, w: next(s.Register(
+        pb.RegisterRequest(model_id="m", layout=pb.Layout(page_tokens=0, paged=[
+            pb.BufferSpec(name="k", rows=4, row_shape=[8], dtype="bfloat16")]))))),
+    "register, buffers that do not match the layout": (CODE.INVALID_ARGUMENT, lambda s, w: next(
+        s.Register(pb.RegisterRequest(model_id="m", layout=layout_to_proto(LAYOUT), buffers=[
+            pb.BufferLocation(name="kv0", nbytes=12, shm=pb.SharedMemoryBuffer(name="x"))])))),
+    "register, missing shared memory": (CODE.NOT_FOUND, lambda s, w: next(s.Register(
+        pb.RegisterRequest(model_id="m", layout=layout_to_proto(LAYOUT), buffers=[
+            pb.BufferLocation(name=b.name, nbytes=b.rows * b.row_bytes,
+                              shm=pb.SharedMemoryBuffer(name="tiercache-missing"))
+            for b in (*LAYOUT.paged, *LAYOUT.slots)])))),
+    "oversized request": (CODE.RESOURCE_EXHAUSTED, lambda s, w: s.Match(
+        pb.MatchRequest(worker_id=w._backend._id, keys=b"\1" * (2 << 20)))),
+    "too many pages": (CODE.INVALID_ARGUMENT, lambda s, w: s.Match(
+        pb.MatchRequest(worker_id=w._backend._id, keys=b"\1" * 16 * 1001))),
+    "empty prompt": (CODE.INVALID_ARGUMENT, lambda s, w: s.Match(
+        pb.MatchRequest(worker_id=w._backend._id, keys=b""))),
+    "keys cut short": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
+        pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w)[:-3], kv_rows=[1], slot=1))),
+    "evict, unknown tier": (CODE.INVALID_ARGUMENT, lambda s, w: s.Evict(
+        pb.EvictRequest(worker_id=w._backend._id, keys=keys_of(w), tier=3))),
+    "unregister, unknown worker": (CODE.NOT_FOUND, lambda s, w: s.Unregister(
+        pb.UnregisterRequest(worker_id="nobody"))),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_gets_its_status_and_changes_nothing(world, case):
+    client, worker, stub = world
+    code, call = CASES[case]
+    before = snapshot(client)
+    with pytest.raises(grpc.RpcError) as failure:
+        call(stub, worker)
+    assert failure.value.code() == code, failure.value.details()
+    assert failure.value.details()  # always a message that says what was wrong
+    assert snapshot(client) == before
+    assert worker.match(prompt(0)).pages == 6  # and the daemon still serves
+
+
+def test_the_client_raises_the_same_errors_as_the_engine(world):
+    from tiercache.errors import InvalidArgument
+    client, worker, _ = world
+    with pytest.raises(InvalidArgument, match="out of range"):
+        worker.load(prompt(0), kv_rows=[70], slot=0)
+    with pytest.raises(InvalidArgument, match="multiple of the page size"):
+        worker.store(prompt(0), kv_rows=range(6), checkpoints={50: 0})

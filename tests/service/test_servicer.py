@@ -1,0 +1,106 @@
+"""The servicer in-process, with a real engine and real shared memory, for what a real
+socket cannot stage reliably (a deadline already past on arrival)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from service.errors import ErrorInterceptor
+from service.servicer import TiercacheServicer
+from service.workers import WorkerRegistry
+from tests.service.worker_process import LAYOUT, prompt
+from tiercache.engine import Engine, EngineConfig
+from tiercache.hashing import key_array, page_keys
+from tiercache.shm import SharedBuffers
+from tiercache.tiers.host import HostConfig
+from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.wire import layout_to_proto
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    """What a servicer sees of a call: a deadline, callbacks, abort."""
+
+    def __init__(self, remaining: float | None = None) -> None:
+        self.remaining = remaining
+        self.callbacks: list = []
+        self.code: grpc.StatusCode | None = None
+
+    def time_remaining(self):
+        return self.remaining
+
+    def add_callback(self, callback) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def is_active(self) -> bool:
+        return True
+
+    def abort(self, code, details):
+        self.code, self.details = code, details
+        raise Aborted(details)
+
+
+@pytest.fixture
+def served():
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=1 << 24)))
+    servicer = TiercacheServicer(engine, WorkerRegistry(4, engine.quiesce), max_prompt_pages=1000)
+    shared = SharedBuffers.create(LAYOUT)
+    request = pb.RegisterRequest(model_id="test-model", layout=layout_to_proto(LAYOUT), buffers=[
+        pb.BufferLocation(name=p.spec.name, nbytes=p.nbytes,
+                          shm=pb.SharedMemoryBuffer(name=shared.name, offset=p.offset))
+        for p in shared.placements])
+    stream = servicer.Register(request, Context())
+    reply = next(stream)
+    yield servicer, reply, engine
+    servicer.registry.remove_all()
+    shared.close()
+    engine.close()
+
+
+def guarded(servicer, method):
+    """The servicer's method behind the daemon's error interceptor."""
+    handler = grpc.unary_unary_rpc_method_handler(getattr(servicer, method))
+
+    class Details:
+        pass
+    details = Details()
+    details.method = f"/tiercache.v1.Tiercache/{method}"
+    return ErrorInterceptor().intercept_service(lambda _: handler, details).unary_unary
+
+
+def test_a_deadline_already_past_is_refused_before_any_work(served):
+    servicer, reply, engine = served
+    keys = b"".join(page_keys(prompt(0), reply.namespace_root, 16))
+    context = Context(remaining=0.0)
+    with pytest.raises(Aborted, match="deadline"):
+        guarded(servicer, "Store")(pb.StoreRequest(worker_id=reply.worker_id, keys=keys,
+                                                   kv_rows=range(6)), context)
+    assert context.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert len(engine.index) == 0
+
+
+def test_the_servicer_stores_and_matches_in_process(served):
+    servicer, reply, engine = served
+    keys = b"".join(page_keys(prompt(0), reply.namespace_root, 16))
+    stored = servicer.Store(pb.StoreRequest(worker_id=reply.worker_id, keys=keys, kv_rows=range(6),
+                                            checkpoints=[pb.Checkpoint(pages=6, slot=2)]), Context())
+    assert (stored.stored, list(stored.checkpoints)) == (7, [6])
+    match = servicer.Match(pb.MatchRequest(worker_id=reply.worker_id, keys=keys), Context()).match
+    assert (match.pages, match.tokens, match.stop) == (6, 96, pb.END_OF_PROMPT)
+    assert match.page_tiers == bytes([pb.TIER_HOST]) * 6 and match.checkpoint_tier == pb.TIER_HOST
+    assert len(key_array(keys)) == 6
+
+
+def test_an_unexpected_error_is_internal_without_internals(served, monkeypatch):
+    servicer, reply, engine = served
+    monkeypatch.setattr(engine, "match", lambda *a: 1 / 0)
+    context = Context()
+    keys = b"".join(page_keys(prompt(0), reply.namespace_root, 16))
+    with pytest.raises(Aborted):
+        guarded(servicer, "Match")(pb.MatchRequest(worker_id=reply.worker_id, keys=keys), context)
+    assert context.code == grpc.StatusCode.INTERNAL and "ZeroDivision" not in context.details

@@ -1,0 +1,292 @@
+"""The worker's side of tiercache: one API over a daemon or over an engine in-process.
+
+    client = Client("unix:./tiercache-data/tiercache.sock")   # or EmbeddedClient()
+    worker = client.register("my-model", layout)               # buffers in shared memory
+    hit = worker.match(tokens)                                  # hashed here, keys only on the wire
+    worker.load(tokens, kv_rows=rows[:hit.pages], slot=3)       # bytes land in worker.paged / .slots
+    worker.store(tokens, kv_rows=rows, checkpoints={len(tokens) // 16 * 16: 3})
+
+Checkpoints are offered by token position (a multiple of the page size): the state
+after that many tokens, in the given state slot.
+
+GPU workers pass their own CUDA tensors to `register(..., buffers=...)`; the daemon maps
+them by CUDA IPC. Their copies are ordered with the worker's current CUDA stream in both
+directions, without host synchronisation: the daemon starts after an event recorded on
+that stream, and a load returns at once with the stream already waiting on the event
+that marks the bytes in place (pass `synchronous=True` to wait on the host instead).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
+
+import grpc
+import torch
+
+from tiercache.buffers import WorkerBuffers
+from tiercache.engine import Engine, EngineConfig, LoadResult, StoreResult, TierStats
+from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
+from tiercache.hashing import Keys, Namespace, PageKey, key_array, page_keys
+from tiercache.index import Match, Tier
+from tiercache.layout import Layout
+from tiercache.shm import SharedBuffers
+from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
+from tiercache.wire import (error_of, layout_to_proto, load_from_proto, match_from_proto,
+                            store_from_proto, tier_stats_from_proto)
+
+DEFAULT_ADDRESS = "unix:./tiercache-data/tiercache.sock"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    tiers: tuple[TierStats, ...]
+    counters: dict[str, int]
+    workers: int
+
+
+class Backend(Protocol):
+    """What a Worker needs from the cache, with keys packed as bytes."""
+
+    def match(self, keys: bytes, prefetch: bool) -> Match: ...
+    def load(self, keys: bytes, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult: ...
+    def store(self, keys: bytes, rows: Sequence[int], checkpoints: Mapping[int, int]) -> StoreResult: ...
+    def evict(self, keys: bytes, tier: Tier | None) -> int: ...
+    def close(self) -> None: ...
+
+
+class Worker:
+    """A registered worker: its buffers (`paged`, `slots`), and prompts hashed locally."""
+
+    def __init__(self, backend: Backend, layout: Layout, root: PageKey, hash_name: str,
+                 tensors: Mapping[str, torch.Tensor]) -> None:
+        self.layout = layout
+        self.root = root
+        self.hash_name = hash_name
+        self.paged = {b.name: tensors[b.name] for b in layout.paged}
+        self.slots = {b.name: tensors[b.name] for b in layout.slots}
+        self._backend = backend
+
+    def keys(self, tokens: Any) -> list[PageKey]:
+        """The page keys of a prompt in this worker's namespace (full pages only)."""
+        return page_keys(tokens, self.root, self.layout.page_tokens, self.hash_name)
+
+    def _packed(self, tokens: Any, keys: Keys | None) -> bytes:
+        if (tokens is None) == (keys is None):
+            raise InvalidArgument("give either tokens or keys")
+        return key_array(self.keys(tokens) if keys is None else keys).tobytes()
+
+    def match(self, tokens: Any = None, *, keys: Keys | None = None, prefetch: bool = False) -> Match:
+        return self._backend.match(self._packed(tokens, keys), prefetch)
+
+    def load(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
+             slot: int | None = None, synchronous: bool = False) -> LoadResult:
+        """Copy the longest hybrid match (at most len(kv_rows) pages) into kv_rows and slot.
+        On a GPU the current stream is made to wait for the copies (see the module doc)."""
+        return self._backend.load(self._packed(tokens, keys), list(kv_rows), slot, synchronous)
+
+    def store(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
+              checkpoints: Mapping[int, int] | None = None) -> StoreResult:
+        """Store the prompt's pages from kv_rows and the checkpoints offered, {token position:
+        state slot}, each position a multiple of the page size."""
+        page = self.layout.page_tokens
+        bad = [p for p in (checkpoints or {}) if p <= 0 or p % page]
+        if bad:
+            raise InvalidArgument(f"checkpoint position {bad[0]} is not a positive multiple of the "
+                                  f"page size {page}: states are kept at page boundaries only")
+        pages = {p // page: slot for p, slot in (checkpoints or {}).items()}
+        return self._backend.store(self._packed(tokens, keys), list(kv_rows), pages)
+
+    def evict(self, tokens: Any = None, *, keys: Keys | None = None, tier: Tier | None = None) -> int:
+        return self._backend.evict(self._packed(tokens, keys), tier)
+
+    def close(self) -> None:
+        self._backend.close()
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- over a daemon -----------------------------------------------------------------------
+def _rpc(call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except grpc.RpcError as error:
+        raise error_of(error) from None
+
+
+def _ready_event(device: torch.device | None) -> torch.cuda.Event | None:
+    """An interprocess event after everything queued so far on the current stream."""
+    if device is None:
+        return None
+    event = torch.cuda.Event(interprocess=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class _Remote:
+    def __init__(self, stub: pb_grpc.TiercacheStub, worker_id: str, stream: Any,
+                 shared: SharedBuffers | None, device: torch.device | None, timeout: float) -> None:
+        self._stub, self._id, self._stream = stub, worker_id, stream
+        self._shared, self._device, self._timeout = shared, device, timeout
+
+    def match(self, keys: bytes, prefetch: bool) -> Match:
+        request = pb.MatchRequest(worker_id=self._id, keys=keys, prefetch=prefetch)
+        return match_from_proto(_rpc(lambda: self._stub.Match(request, timeout=self._timeout)).match)
+
+    def load(self, keys: bytes, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult:
+        ready = _ready_event(self._device)
+        request = pb.LoadRequest(worker_id=self._id, keys=keys, kv_rows=rows, slot=slot,
+                                 ready_event=ready.ipc_handle() if ready else b"",
+                                 asynchronous=ready is not None and not synchronous)
+        reply = _rpc(lambda: self._stub.Load(request, timeout=self._timeout))
+        result = load_from_proto(reply)
+        if reply.done_event:
+            done = torch.cuda.Event.from_ipc_handle(self._device, reply.done_event)
+            torch.cuda.current_stream(self._device).wait_event(done)
+            result = LoadResult(result.match, result.bytes_from, result.damaged, done)
+        return result
+
+    def store(self, keys: bytes, rows: Sequence[int], checkpoints: Mapping[int, int]) -> StoreResult:
+        ready = _ready_event(self._device)
+        request = pb.StoreRequest(worker_id=self._id, keys=keys, kv_rows=rows,
+                                  ready_event=ready.ipc_handle() if ready else b"",
+                                  checkpoints=[pb.Checkpoint(pages=n, slot=s)
+                                               for n, s in sorted(checkpoints.items())])
+        return store_from_proto(_rpc(lambda: self._stub.Store(request, timeout=self._timeout)))
+
+    def evict(self, keys: bytes, tier: Tier | None) -> int:
+        request = pb.EvictRequest(worker_id=self._id, keys=keys, tier=int(tier or 0))
+        return _rpc(lambda: self._stub.Evict(request, timeout=self._timeout)).evicted
+
+    def close(self) -> None:
+        self._stream.cancel()  # ends the registration: the daemon unmaps the buffers
+        if self._shared is not None:
+            self._shared.close()
+
+
+class Client:
+    """A connection to a tiercache daemon (`unix:PATH` or `host:port`)."""
+
+    def __init__(self, address: str | None = None, timeout: float = 30.0,
+                 max_message_bytes: int = 16 << 20) -> None:
+        self.address = address or os.environ.get("TIERCACHE_ADDRESS", DEFAULT_ADDRESS)
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(self.address, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)])
+        self._stub = pb_grpc.TiercacheStub(self._channel)
+
+    def register(self, model_id: str, layout: Layout, extra_keys: Sequence[str] = (),
+                 hash_name: str = "xxh3_128",
+                 buffers: Mapping[str, torch.Tensor] | None = None) -> Worker:
+        """Register a worker. Without `buffers`, the layout's buffers are allocated in
+        shared memory (worker.paged / worker.slots); GPU workers pass their CUDA tensors."""
+        shared, device = None, None
+        if buffers is None:
+            shared = SharedBuffers.create(layout)
+            tensors = shared.tensors
+            locations = [pb.BufferLocation(name=p.spec.name, nbytes=p.nbytes,
+                                           shm=pb.SharedMemoryBuffer(name=shared.name, offset=p.offset))
+                         for p in shared.placements]
+        else:
+            tensors, locations = dict(buffers), _cuda_locations(buffers)
+            device = next(iter(tensors.values())).device
+        request = pb.RegisterRequest(model_id=model_id, layout=layout_to_proto(layout),
+                                     extra_keys=extra_keys, hash=hash_name, buffers=locations)
+        try:
+            stream: Iterator[pb.RegisterResponse] = self._stub.Register(request)
+            reply = _rpc(lambda: next(stream))
+        except (TiercacheError, StopIteration) as error:
+            if shared is not None:
+                shared.close()
+            if isinstance(error, StopIteration):
+                raise Unavailable(f"the daemon at {self.address} closed the registration") from None
+            raise
+        backend = _Remote(self._stub, reply.worker_id, stream, shared, device, self.timeout)
+        return Worker(backend, layout, PageKey(reply.namespace_root), reply.hash, tensors)
+
+    def stats(self) -> CacheStats:
+        reply = _rpc(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout))
+        return CacheStats(tuple(tier_stats_from_proto(t) for t in reply.tiers), dict(reply.counters),
+                          reply.workers)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _cuda_locations(buffers: Mapping[str, torch.Tensor]) -> list[pb.BufferLocation]:
+    if not all(t.is_cuda for t in buffers.values()):
+        raise InvalidArgument("buffers passed to register must be CUDA tensors; for CPU workers "
+                              "register without buffers and compute in worker.paged / worker.slots "
+                              "(shared memory the daemon can map)")
+    from tiercache import cuda_ipc  # needs cuda-bindings: GPU machines only
+    locations = []
+    for name, tensor in buffers.items():
+        exported = cuda_ipc.export(tensor)
+        locations.append(pb.BufferLocation(name=name, nbytes=exported.nbytes, cuda=pb.CudaIpcBuffer(
+            handle=exported.handle, offset=exported.offset, device_uuid=exported.device_uuid)))
+    return locations
+
+
+# -- in-process ------------------------------------------------------------------------
+class _Embedded:
+    def __init__(self, engine: Engine, buffers: WorkerBuffers) -> None:
+        self._engine, self._buffers = engine, buffers
+
+    def match(self, keys: bytes, prefetch: bool) -> Match:
+        match = self._engine.match(self._buffers.layout, keys)
+        if prefetch and match.pages:
+            self._engine.prefetch(self._buffers.layout, key_array(keys)[:match.pages])
+        return match
+
+    def load(self, keys: bytes, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult:
+        device = self._buffers.device if self._buffers.device.type == "cuda" else None
+        result = self._engine.load(self._buffers, keys, rows, slot, ready=_ready_event(device),
+                                   asynchronous=device is not None and not synchronous)
+        if result.done is not None:
+            torch.cuda.current_stream(device).wait_event(result.done)
+        return result
+
+    def store(self, keys: bytes, rows: Sequence[int], checkpoints: Mapping[int, int]) -> StoreResult:
+        device = self._buffers.device if self._buffers.device.type == "cuda" else None
+        return self._engine.store(self._buffers, keys, rows, checkpoints, ready=_ready_event(device))
+
+    def evict(self, keys: bytes, tier: Tier | None) -> int:
+        return self._engine.evict(keys, tier)
+
+    def close(self) -> None:
+        pass
+
+
+class EmbeddedClient:
+    """The same API with the engine in this process: no daemon, no shared memory."""
+
+    def __init__(self, engine: Engine | EngineConfig | None = None) -> None:
+        self.engine = engine if isinstance(engine, Engine) else Engine.open(engine or EngineConfig())
+
+    def register(self, model_id: str, layout: Layout, extra_keys: Sequence[str] = (),
+                 hash_name: str = "xxh3_128",
+                 buffers: Mapping[str, torch.Tensor] | None = None) -> Worker:
+        """Register the layout with `buffers` (by name), or with new zeroed CPU tensors."""
+        specs = (*layout.paged, *layout.slots)
+        tensors = dict(buffers) if buffers is not None else {
+            b.name: torch.zeros(b.shape, dtype=getattr(torch, b.dtype)) for b in specs}
+        paged = {b.name for b in layout.paged}
+        bound = WorkerBuffers.bind(layout, {n: t for n, t in tensors.items() if n in paged},
+                                   {n: t for n, t in tensors.items() if n not in paged})
+        namespace = Namespace(model_id, layout.fingerprint, "", tuple(extra_keys), hash_name)
+        return Worker(_Embedded(self.engine, bound), layout, namespace.root(), hash_name, tensors)
+
+    def stats(self) -> CacheStats:
+        stats = self.engine.stats()
+        return CacheStats(stats.tiers, stats.counters, 0)
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,95 @@
+"""Batched row copies on the GPU: one Triton launch moves one row of every buffer for
+every entry, between worker buffers and contiguous entry slots.
+
+An entry slot holds the rows of all buffers of a group back to back (see transfer.py).
+The kernel reads two small tables instead of one pointer per row: per buffer its base
+address, row stride, row width and offset inside an entry; per entry a worker row id and
+the address of its slot. Slot addresses may point at device memory or at page-locked
+host memory (addressed from the GPU), so the same launch serves device-to-device stores
+and host-to-device loads at PCIe speed (measured on an H100: 50-52 GB/s each way into
+and out of page-locked memory, against 54 GB/s for one bulk copy). Addresses and sizes
+must be 16-byte aligned so every access is a full 16-byte vector; BufferTable checks.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+ALIGN = 16
+CHUNK_WORDS = 16 * 1024  # int32 words (64 KiB) of a row one program moves; longer rows split
+BLOCK_WORDS = 1024
+
+
+@triton.jit
+def _copy_rows(buffer_base, buffer_stride, buffer_width, buffer_offset, entry_row, entry_slot,
+               n_buffers, to_slots: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (entry * n_buffers + buffer, chunk) moves up to CHUNK words (int32) of one row.
+    pid = tl.program_id(0)
+    entry, buffer = pid // n_buffers, pid % n_buffers
+    start = tl.program_id(1) * CHUNK
+    width = tl.load(buffer_width + buffer) // 4
+    if start < width:
+        rows = tl.load(buffer_base + buffer) + tl.load(entry_row + entry) * tl.load(buffer_stride + buffer)
+        slot = tl.load(entry_slot + entry) + tl.load(buffer_offset + buffer)
+        if to_slots:
+            src, dst = rows, slot
+        else:
+            src, dst = slot, rows
+        # 16-byte aligned addresses and whole, unmasked blocks: every access is a 16-byte
+        # vector, which is what keeps writes into host memory at PCIe speed
+        src_ptr = tl.multiple_of(src, 16).to(tl.pointer_type(tl.int32))
+        dst_ptr = tl.multiple_of(dst, 16).to(tl.pointer_type(tl.int32))
+        end = tl.minimum(start + CHUNK, width)
+        full = start + (end - start) // BLOCK * BLOCK
+        for at in range(start, full, BLOCK):
+            words = tl.max_contiguous(tl.multiple_of(at + tl.arange(0, BLOCK), BLOCK), BLOCK)
+            tl.store(dst_ptr + words, tl.load(src_ptr + words))
+        for at in range(full, end, 4):  # what is left of the row, 16 bytes at a time
+            words = tl.max_contiguous(tl.multiple_of(at + tl.arange(0, 4), 4), 4)
+            tl.store(dst_ptr + words, tl.load(src_ptr + words))
+
+
+@dataclass(frozen=True)
+class BufferTable:
+    """The per-buffer half of a copy: built once per registered group of buffers."""
+
+    base: torch.Tensor  # int64 addresses
+    stride: torch.Tensor  # int64 row strides in bytes
+    width: torch.Tensor  # int64 row bytes
+    offset: torch.Tensor  # int64 offset of the row inside an entry
+    max_width: int
+
+    @classmethod
+    def of(cls, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
+           device: torch.device) -> "BufferTable":
+        """Tables for uint8 [rows, row bytes] buffers, each row at `offsets` in an entry."""
+        for b, at in zip(buffers, offsets):
+            if any(v % ALIGN for v in (b.data_ptr(), b.stride(0), b.shape[1], at)):
+                raise ValueError(f"a buffer's address, row stride, row bytes or entry offset is not "
+                                 f"{ALIGN}-byte aligned: the GPU copy needs aligned rows")
+        column = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(column([b.data_ptr() for b in buffers]), column([b.stride(0) for b in buffers]),
+                   column([b.shape[1] for b in buffers]), column(list(offsets)),
+                   max(b.shape[1] for b in buffers))
+
+
+def copy_rows(table: BufferTable, rows: torch.Tensor, slot_addresses: torch.Tensor,
+              to_slots: bool, stream: torch.cuda.Stream | None = None) -> None:
+    """Copy row rows[i] of every buffer to (or from) the entry at slot_addresses[i].
+
+    `rows` and `slot_addresses` are int64 tensors on the buffers' device; slot addresses
+    must be 16-byte aligned (arena slots are). The launch is asynchronous on `stream`
+    (the current stream if None)."""
+    entries, buffers = len(rows), len(table.width)
+    if not entries or not buffers:
+        return
+    grid = (entries * buffers, triton.cdiv(table.max_width // 4, CHUNK_WORDS))
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        _copy_rows[grid](table.base, table.stride, table.width, table.offset, rows, slot_addresses,
+                         buffers, to_slots=to_slots, CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS, num_warps=4)

@@ -1,0 +1,273 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_DEVICE: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+
+class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STOP_REASON_UNSPECIFIED: _ClassVar[StopReason]
+    END_OF_PROMPT: _ClassVar[StopReason]
+    MISSING_PAGE: _ClassVar[StopReason]
+    NO_CHECKPOINT: _ClassVar[StopReason]
+TIER_UNSPECIFIED: Tier
+TIER_DEVICE: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+STOP_REASON_UNSPECIFIED: StopReason
+END_OF_PROMPT: StopReason
+MISSING_PAGE: StopReason
+NO_CHECKPOINT: StopReason
+
+class BufferSpec(_message.Message):
+    __slots__ = ("name", "rows", "row_shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rows: int
+    row_shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., row_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class Layout(_message.Message):
+    __slots__ = ("page_tokens", "paged", "slots", "tp_rank", "tp_size")
+    PAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    page_tokens: int
+    paged: _containers.RepeatedCompositeFieldContainer[BufferSpec]
+    slots: _containers.RepeatedCompositeFieldContainer[BufferSpec]
+    tp_rank: int
+    tp_size: int
+    def __init__(self, page_tokens: _Optional[int] = ..., paged: _Optional[_Iterable[_Union[BufferSpec, _Mapping]]] = ..., slots: _Optional[_Iterable[_Union[BufferSpec, _Mapping]]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class SharedMemoryBuffer(_message.Message):
+    __slots__ = ("name", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class CudaIpcBuffer(_message.Message):
+    __slots__ = ("handle", "offset", "device_uuid")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    offset: int
+    device_uuid: str
+    def __init__(self, handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
+class BufferLocation(_message.Message):
+    __slots__ = ("name", "nbytes", "shm", "cuda")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    nbytes: int
+    shm: SharedMemoryBuffer
+    cuda: CudaIpcBuffer
+    def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm: _Optional[_Union[SharedMemoryBuffer, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("model_id", "layout", "buffers", "extra_keys", "hash")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    layout: Layout
+    buffers: _containers.RepeatedCompositeFieldContainer[BufferLocation]
+    extra_keys: _containers.RepeatedScalarFieldContainer[str]
+    hash: str
+    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferLocation, _Mapping]]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., hash: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("worker_id", "namespace_root", "layout_fingerprint", "hash")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ROOT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    namespace_root: bytes
+    layout_fingerprint: str
+    hash: str
+    def __init__(self, worker_id: _Optional[str] = ..., namespace_root: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., hash: _Optional[str] = ...) -> None: ...
+
+class UnregisterRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MatchRequest(_message.Message):
+    __slots__ = ("worker_id", "keys", "prefetch")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    keys: bytes
+    prefetch: bool
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., prefetch: _Optional[bool] = ...) -> None: ...
+
+class MatchResult(_message.Message):
+    __slots__ = ("pages", "tokens", "prompt_pages", "page_tiers", "checkpoint_tier", "stop")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TIERS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_TIER_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    tokens: int
+    prompt_pages: int
+    page_tiers: bytes
+    checkpoint_tier: Tier
+    stop: StopReason
+    def __init__(self, pages: _Optional[int] = ..., tokens: _Optional[int] = ..., prompt_pages: _Optional[int] = ..., page_tiers: _Optional[bytes] = ..., checkpoint_tier: _Optional[_Union[Tier, str]] = ..., stop: _Optional[_Union[StopReason, str]] = ...) -> None: ...
+
+class MatchResponse(_message.Message):
+    __slots__ = ("match",)
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    match: MatchResult
+    def __init__(self, match: _Optional[_Union[MatchResult, _Mapping]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("worker_id", "keys", "kv_rows", "slot", "ready_event", "asynchronous")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KV_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    ASYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    keys: bytes
+    kv_rows: _containers.RepeatedScalarFieldContainer[int]
+    slot: int
+    ready_event: bytes
+    asynchronous: bool
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., asynchronous: _Optional[bool] = ...) -> None: ...
+
+class TierBytes(_message.Message):
+    __slots__ = ("tier", "bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    bytes: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("match", "bytes_from", "damaged", "done_event")
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FROM_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_FIELD_NUMBER: _ClassVar[int]
+    DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
+    match: MatchResult
+    bytes_from: _containers.RepeatedCompositeFieldContainer[TierBytes]
+    damaged: int
+    done_event: bytes
+    def __init__(self, match: _Optional[_Union[MatchResult, _Mapping]] = ..., bytes_from: _Optional[_Iterable[_Union[TierBytes, _Mapping]]] = ..., damaged: _Optional[int] = ..., done_event: _Optional[bytes] = ...) -> None: ...
+
+class Checkpoint(_message.Message):
+    __slots__ = ("pages", "slot")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    slot: int
+    def __init__(self, pages: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KV_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    keys: bytes
+    kv_rows: _containers.RepeatedScalarFieldContainer[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
+    ready_event: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+
+class StoreResponse(_message.Message):
+    __slots__ = ("stored", "present", "skipped", "checkpoints")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    present: int
+    skipped: int
+    checkpoints: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stored: _Optional[int] = ..., present: _Optional[int] = ..., skipped: _Optional[int] = ..., checkpoints: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("worker_id", "keys", "tier")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    keys: bytes
+    tier: Tier
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted",)
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    def __init__(self, evicted: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "entries", "used_bytes", "budget_bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    entries: int
+    used_bytes: int
+    budget_bytes: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., entries: _Optional[int] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "counters", "workers")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    counters: _containers.ScalarMap[str, int]
+    workers: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., workers: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,112 @@
+"""Conversions between the library's types and the v1 wire messages, shared by the
+client and the daemon so that both sides read the contract the same way."""
+
+from __future__ import annotations
+
+import grpc
+
+from tiercache.engine import LoadResult, StoreResult, TierStats
+from tiercache.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
+                              ResourceExhausted, TiercacheError, Unavailable)
+from tiercache.index import Match, StopReason, Tier
+from tiercache.layout import BufferSpec, Layout
+from tiercache.v1 import tiercache_pb2 as pb
+
+# Domain errors and their gRPC status codes: the daemon answers with these, the client
+# raises the same classes back, so embedded and remote callers see one set of errors.
+STATUS_CODES: dict[type[TiercacheError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+_ERRORS = {code: kind for kind, code in STATUS_CODES.items()}
+
+
+def status_of(error: TiercacheError) -> grpc.StatusCode:
+    for kind in type(error).__mro__:
+        if kind in STATUS_CODES:
+            return STATUS_CODES[kind]
+    return grpc.StatusCode.INTERNAL
+
+
+def error_of(error: grpc.RpcError) -> TiercacheError:
+    """The domain error a failed call stands for, with the daemon's message."""
+    code = error.code()  # type: ignore[attr-defined]
+    return _ERRORS.get(code, TiercacheError)(f"{error.details()} ({code.name})")  # type: ignore[attr-defined]
+
+
+_STOPS = {StopReason.END_OF_PROMPT: pb.END_OF_PROMPT, StopReason.MISSING_PAGE: pb.MISSING_PAGE,
+          StopReason.NO_CHECKPOINT: pb.NO_CHECKPOINT}
+_STOPS_BACK = {v: k for k, v in _STOPS.items()}
+
+
+def layout_to_proto(layout: Layout) -> pb.Layout:
+    def spec(b: BufferSpec) -> pb.BufferSpec:
+        return pb.BufferSpec(name=b.name, rows=b.rows, row_shape=b.row_shape, dtype=b.dtype)
+    return pb.Layout(page_tokens=layout.page_tokens, paged=[spec(b) for b in layout.paged],
+                     slots=[spec(b) for b in layout.slots], tp_rank=layout.tp_rank,
+                     tp_size=layout.tp_size)
+
+
+def layout_from_proto(message: pb.Layout) -> Layout:
+    """A validated Layout; a bad field raises LayoutError naming it."""
+    def spec(b: pb.BufferSpec) -> BufferSpec:
+        return BufferSpec(b.name, int(b.rows), tuple(int(d) for d in b.row_shape), b.dtype)
+    return Layout(int(message.page_tokens), tuple(spec(b) for b in message.paged),
+                  tuple(spec(b) for b in message.slots), int(message.tp_rank),
+                  int(message.tp_size) or 1)
+
+
+def tier_from_proto(value: int) -> Tier | None:
+    if value == pb.TIER_UNSPECIFIED:
+        return None
+    if value not in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+        raise InvalidArgument(f"tier {value} is not one of DEVICE (1), HOST (2), DISK (4)")
+    return Tier(value)
+
+
+def match_to_proto(match: Match) -> pb.MatchResult:
+    return pb.MatchResult(pages=match.pages, tokens=match.tokens, prompt_pages=match.prompt_pages,
+                          page_tiers=match.tier_codes,
+                          checkpoint_tier=int(match.checkpoint_tier or pb.TIER_UNSPECIFIED),
+                          stop=_STOPS[match.stop])
+
+
+def match_from_proto(message: pb.MatchResult) -> Match:
+    return Match(pages=message.pages, tokens=message.tokens, prompt_pages=message.prompt_pages,
+                 tier_codes=bytes(message.page_tiers),
+                 checkpoint_tier=tier_from_proto(message.checkpoint_tier),
+                 stop=_STOPS_BACK[message.stop])
+
+
+def load_to_proto(result: LoadResult) -> pb.LoadResponse:
+    return pb.LoadResponse(match=match_to_proto(result.match), damaged=result.damaged,
+                           bytes_from=[pb.TierBytes(tier=int(t), bytes=n)
+                                       for t, n in sorted(result.bytes_from.items())],
+                           done_event=result.done.ipc_handle() if result.done is not None else b"")
+
+
+def load_from_proto(message: pb.LoadResponse) -> LoadResult:
+    return LoadResult(match_from_proto(message.match),
+                      {Tier(b.tier): b.bytes for b in message.bytes_from}, message.damaged)
+
+
+def store_to_proto(result: StoreResult) -> pb.StoreResponse:
+    return pb.StoreResponse(stored=result.stored, present=result.present, skipped=result.skipped,
+                            checkpoints=result.checkpoints)
+
+
+def store_from_proto(message: pb.StoreResponse) -> StoreResult:
+    return StoreResult(message.stored, message.present, message.skipped, tuple(message.checkpoints))
+
+
+def tier_stats_to_proto(stats: TierStats) -> pb.TierStats:
+    return pb.TierStats(tier=int(stats.tier), entries=stats.entries, used_bytes=stats.used_bytes,
+                        budget_bytes=stats.budget_bytes)
+
+
+def tier_stats_from_proto(message: pb.TierStats) -> TierStats:
+    return TierStats(Tier(message.tier), message.entries, message.used_bytes, message.budget_bytes)
