@@ -9,7 +9,7 @@ EXTRAS ?= dev,transformers
 PROTO := proto/tiercache/v1/tiercache.proto
 PROTOC = $(PY) -m grpc_tools.protoc -Iproto --python_out=$(1) --grpc_python_out=$(1) --pyi_out=$(1) $(PROTO)
 
-.PHONY: env serve test demo proto proto-check clean
+.PHONY: env serve test demo proto proto-check test-gpu bench-gpu wheels clean
 
 env: $(VENV)/.installed
 
@@ -35,6 +35,18 @@ proto: env  ## regenerate tiercache/v1 from the .proto
 proto-check: env  ## fail if tiercache/v1 is stale
 	@tmp=$$(mktemp -d) && $(call PROTOC,$$tmp) && for f in tiercache_pb2.py tiercache_pb2.pyi tiercache_pb2_grpc.py; do \
 	  cmp -s $$tmp/tiercache/v1/$$f tiercache/v1/$$f || { echo "tiercache/v1/$$f is stale: run make proto"; exit 1; }; done
+
+test-gpu:  ## on a GPU machine: GPU tests, then the whole suite (no network needed, see wheels)
+	bash scripts/test-gpu.sh
+
+bench-gpu:  ## on a GPU machine: benchmarks.gpu_transfer (BENCHES="..." for others)
+	bash scripts/bench-gpu.sh
+
+WHEELS := lmdb==3.0.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1
+wheels:  ## what a GPU machine without network needs beside its torch, into .whl (Python 3.12)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+	  -d .whl $(WHEELS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -111,5 +111,6 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         stats = self.engine.stats()
+        counters = {**stats.counters, "ipc_allocations": self.registry.ipc_allocations()}
         return pb.StatsResponse(tiers=[tier_stats_to_proto(t) for t in stats.tiers],
-                                counters=stats.counters, workers=len(self.registry))
+                                counters=counters, workers=len(self.registry))

@@ -102,6 +102,11 @@ class WorkerRegistry:
     def __len__(self) -> int:
         return len(self._workers)
 
+    def ipc_allocations(self) -> int:
+        """CUDA allocations of workers that the daemon holds open now."""
+        with self._changed:
+            return sum(len(r.opened) for r in self._workers.values())
+
     def add(self, request: pb.RegisterRequest, tenant: str) -> Registration:
         if not request.model_id:
             raise InvalidArgument("model_id is empty: name the model whose bytes these are")

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5.23")
 
 import tiercache  # noqa: E402
 from tiercache.engine import Engine, EngineConfig  # noqa: E402

@@ -1,0 +1,107 @@
+"""Scattered GPU loads and stores through the daemon, beside the physical limit.
+
+The worker is this process, with CUDA buffers the daemon (a child process) maps by IPC.
+For each row size, 24 paged buffers; a prompt of P pages whose rows are scattered over
+twice as many rows. Store = worker rows -> daemon (host tier: page-locked memory written
+by one Triton launch from the GPU); load = daemon -> other scattered rows. Beside them, in
+the same run: one bulk pinned `copy_` of the same byte count each way (the PCIe limit),
+and a per-row `copy_` loop (the naive peer). Times are wall times at the worker, RPC
+included, until the bytes are in place.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.common import median_seconds, print_summary, print_table
+from service.process import spawn
+from tiercache.client import Client
+from tiercache.layout import BufferSpec, Layout
+
+MiB = 1 << 20
+TOTAL = 512 * MiB
+BUFFERS = 24
+
+
+def bulk(nbytes: int) -> tuple[float, float]:
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def copy(dst, src):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+    return (median_seconds(lambda: copy(device, host), repeat=9),
+            median_seconds(lambda: copy(host, device), repeat=9))
+
+
+def per_row_loop(buffers, rows, host) -> tuple[float, float]:
+    """The naive peer: one copy_ per row and buffer, into and out of page-locked slots."""
+    width = buffers[0].shape[1]
+    rows = rows.tolist()
+
+    def store():
+        for b, buffer in enumerate(buffers):
+            for n, r in enumerate(rows):
+                host[n, b * width:(b + 1) * width].copy_(buffer[r], non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+
+    def load():
+        for b, buffer in enumerate(buffers):
+            for n, r in enumerate(rows):
+                buffer[r].copy_(host[n, b * width:(b + 1) * width], non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+    return median_seconds(load, repeat=3), median_seconds(store, repeat=3)
+
+
+def ours(address: str, row_bytes: int) -> tuple[float, float, float, float]:
+    pages = TOTAL // (BUFFERS * row_bytes)
+    layout = Layout(16, paged=tuple(BufferSpec(f"kv{i}", 2 * pages, (row_bytes // 2,), "bfloat16")
+                                    for i in range(BUFFERS)))
+    tensors = {b.name: torch.randint(-2**15, 2**15, b.shape, dtype=torch.int16, device="cuda"
+                                     ).view(torch.bfloat16) for b in layout.paged}
+    worker = Client(address).register("bench-model", layout, buffers=tensors)
+    order = torch.randperm(2 * pages).tolist()
+    src, dst = order[:pages], order[pages:]
+    keys = worker.keys(np.random.default_rng(row_bytes).integers(0, 150_000, pages * 16).tolist())
+
+    def store():
+        assert worker.store(keys=keys, kv_rows=src).stored == pages
+
+    def load():
+        assert worker.load(keys=keys, kv_rows=dst, synchronous=True).match.pages == pages
+    store_s = median_seconds(store, repeat=5, setup=lambda: worker.evict(keys=keys))
+    load_s = median_seconds(load, repeat=5)
+    raw = [t.view(torch.int16) for t in tensors.values()]
+    assert all(torch.equal(t[dst], t[src]) for t in raw)
+    host = torch.empty((pages, BUFFERS * row_bytes), dtype=torch.uint8, pin_memory=True)
+    naive_load, naive_store = per_row_loop([t.view(torch.uint8).view(2 * pages, -1) for t in tensors.values()],
+                                           torch.tensor(src), host)
+    worker.close()
+    return load_s, store_s, naive_load, naive_store
+
+
+def main() -> None:
+    rows, summary = [], {}
+    with spawn(tempfile.mkdtemp(prefix="tiercache-bench-"), "--host-budget", "3GiB",
+               "--no-disk") as (address, _):
+        h2d, d2h = bulk(TOTAL)
+        for row_bytes in (4096, 16384, 65536, 1 << 20):
+            load_s, store_s, naive_load, naive_store = ours(address, row_bytes)
+            gbs = lambda s: TOTAL / s / 1e9  # noqa: E731
+            label = f"{row_bytes // 1024}k"
+            rows.append((label, gbs(load_s), gbs(naive_load), gbs(h2d), h2d / load_s,
+                         gbs(store_s), gbs(naive_store), gbs(d2h), d2h / store_s))
+            summary[f"load_vs_bulk_{label}"] = h2d / load_s
+            summary[f"store_vs_bulk_{label}"] = d2h / store_s
+    print_table(f"{TOTAL // MiB} MiB of scattered rows, {BUFFERS} buffers, worker <-> daemon host tier",
+                ["rows", "load GB/s", "per-row", "bulk h2d", "ratio", "store GB/s", "per-row",
+                 "bulk d2h", "ratio"], rows)
+    print_summary(**summary)
+
+
+if __name__ == "__main__":
+    main()

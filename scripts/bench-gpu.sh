@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# make bench-gpu: the GPU benchmarks, each ending with its summary line.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu-env.sh
+for bench in ${BENCHES:-gpu_transfer}; do
+  python3 -m benchmarks.$bench 2>&1 | grep -v fork_posix | tee /tmp/bench-$bench.log
+done
+echo; grep -h '^summary:' /tmp/bench-*.log

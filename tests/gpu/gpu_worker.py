@@ -1,0 +1,104 @@
+"""A GPU worker in its own process, driven by tests/gpu.
+
+    python -m tests.gpu.gpu_worker roundtrip ADDRESS SEED ROW_BYTES BUFFERS PROMPTS
+    python -m tests.gpu.gpu_worker stream ADDRESS SEED
+    python -m tests.gpu.gpu_worker hold ADDRESS SEED
+
+roundtrip: CUDA buffers filled from SEED; PROMPTS prompts stored from some rows (with a
+checkpoint each) and loaded into other, poisoned rows; prints "ok PAGES TIERS" or "bad".
+stream: a large asynchronous load, read at once by a kernel on the same stream with no
+host synchronisation in between; prints "ok" if the kernel saw the loaded bytes.
+hold: stores one prompt, prints "stored", then waits to be killed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import torch
+
+from tiercache.client import Client
+from tiercache.layout import BufferSpec, Layout
+
+PAGES = 8
+
+
+def layout(row_bytes: int, buffers: int, rows: int) -> Layout:
+    return Layout(16, paged=tuple(BufferSpec(f"kv{i}", rows, (row_bytes // 2,), "bfloat16")
+                                  for i in range(buffers)),
+                  slots=(BufferSpec("state", 8, (row_bytes // 4,), "float32"),))
+
+
+def register(address: str, shape: Layout, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    tensors = {b.name: torch.randint(-2**15, 2**15, b.shape, dtype=torch.int16, device="cuda",
+                                     generator=gen).view(torch.bfloat16) for b in shape.paged}
+    tensors["state"] = torch.randn(shape.slots[0].shape, device="cuda", generator=gen)
+    return Client(address).register("gpu-test", shape, buffers=tensors), tensors
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(tensor.shape[0], -1).view(torch.uint8)
+
+
+def prompt(n: int) -> list[int]:
+    return np.random.default_rng(500 + n).integers(0, 150_000, PAGES * 16).tolist()
+
+
+def roundtrip(address: str, seed: int, row_bytes: int, buffers: int, prompts: int) -> None:
+    shape = layout(row_bytes, buffers, rows=2 * PAGES * prompts)
+    worker, tensors = register(address, shape, seed)
+    source = {name: bits(t).clone() for name, t in tensors.items()}
+    for n in range(prompts):
+        worker.store(prompt(n), kv_rows=range(n * PAGES, (n + 1) * PAGES), checkpoints={PAGES * 16: n % 4})
+    for t in tensors.values():
+        bits(t).fill_(0xA5)
+    tiers, good = set(), True
+    for n in range(prompts):
+        rows = list(range(shape.page_rows - 1 - n * PAGES, shape.page_rows - 1 - (n + 1) * PAGES, -1))
+        result = worker.load(prompt(n), kv_rows=rows, slot=4 + n % 4)
+        tiers |= set(result.bytes_from)
+        good &= result.match.pages == PAGES and all(
+            torch.equal(bits(tensors[f"kv{i}"])[rows], source[f"kv{i}"][n * PAGES:(n + 1) * PAGES])
+            for i in range(buffers)) and torch.equal(bits(tensors["state"])[4 + n % 4],
+                                                     source["state"][n % 4])
+    print(("ok " if good else "bad ") + " ".join(sorted(t.name for t in tiers)), flush=True)
+    worker.close()
+
+
+def stream(address: str, seed: int) -> None:
+    shape = layout(1 << 20, 16, rows=64)  # 16 MiB a page: a load long enough to race
+    worker, tensors = register(address, shape, seed)
+    worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
+    expected = sum(int(bits(tensors[f"kv{i}"])[:PAGES].sum()) for i in range(16))
+    torch.cuda.synchronize()
+    for t in tensors.values():
+        bits(t)[PAGES:].fill_(0)
+    torch.cuda.synchronize()
+    rows = list(range(PAGES, 2 * PAGES))
+    result = worker.load(prompt(0), kv_rows=rows, slot=1)  # returns with the stream waiting
+    assert result.done is not None, "a GPU load hands back its event"
+    # queued on the current stream right away: it must see the loaded bytes
+    seen = torch.stack([bits(tensors[f"kv{i}"])[rows].sum(dtype=torch.int64) for i in range(16)]).sum()
+    print("ok" if int(seen) == expected else f"bad {int(seen)} != {expected}", flush=True)
+    worker.close()
+
+
+def hold(address: str, seed: int) -> None:
+    worker, _ = register(address, layout(4096, 4, rows=16), seed)
+    worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
+    print("stored", flush=True)
+    while True:
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    mode, address, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if mode == "roundtrip":
+        roundtrip(address, seed, *map(int, sys.argv[4:7]))
+    elif mode == "stream":
+        stream(address, seed)
+    else:
+        hold(address, seed)

@@ -1,0 +1,60 @@
+"""The GPU data path end to end: a daemon process, workers in their own processes with
+CUDA buffers shared by IPC. Runs only where there is a GPU (make test-gpu)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.service.daemon import ROOT, running_daemon
+from tiercache.client import Client
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def worker(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.gpu.gpu_worker", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen) -> str:
+    out, _ = process.communicate(timeout=300)
+    return out.strip().splitlines()[-1] if out.strip() else out
+
+
+@pytest.mark.parametrize("row_bytes, buffers", [(2048, 64), (16384, 24), (262144, 8), (2 << 20, 1)])
+def test_bytes_round_trip_through_host_and_disk(tmp_path, row_bytes, buffers):
+    # a host tier too small for all prompts: the first ones go to disk and come back
+    prompts = 6
+    entry = row_bytes * buffers
+    host = max(3 * 8 * entry, 8 << 20)
+    with running_daemon(tmp_path, "--host-budget", str(host), "--disk-map-size", "4GiB") as (address, _):
+        out = finish(worker("roundtrip", address, "1", str(row_bytes), str(buffers), str(prompts)))
+        assert out.startswith("ok"), out
+        assert "HOST" in out and "DISK" in out, out
+
+
+def test_the_worker_stream_reads_the_load_without_a_host_sync(tmp_path):
+    with running_daemon(tmp_path, "--host-budget", "2GiB", "--no-disk") as (address, _):
+        assert finish(worker("stream", address, "2")) == "ok"
+
+
+def test_a_killed_worker_is_unmapped_and_others_are_served(tmp_path):
+    with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, daemon):
+        holder = worker("hold", address, "3")
+        assert holder.stdout.readline().strip() == "stored"
+        client = Client(address)
+        assert client.stats().workers == 1 and client.stats().counters["ipc_allocations"] >= 1
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        deadline = time.time() + 30  # the daemon notices the stream break
+        while client.stats().workers and time.time() < deadline:
+            time.sleep(0.2)
+        assert client.stats().workers == 0 and client.stats().counters["ipc_allocations"] == 0
+        assert finish(worker("roundtrip", address, "4", "16384", "4", "2")).startswith("ok")
+        assert daemon.poll() is None
