@@ -79,9 +79,7 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
         keys = self._keys(request.keys, context)
         with self.registry.use(request.worker_id) as worker:
-            match = self.engine.match(worker.layout, keys)
-            if request.prefetch and match.pages:
-                self.engine.prefetch(worker.layout, keys[:match.pages])
+            match = self.engine.match(worker.layout, keys, prefetch=request.prefetch)
         return pb.MatchResponse(match=match_to_proto(match))
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:

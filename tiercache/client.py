@@ -241,10 +241,7 @@ class _Embedded:
         self._engine, self._buffers = engine, buffers
 
     def match(self, keys: bytes, prefetch: bool) -> Match:
-        match = self._engine.match(self._buffers.layout, keys)
-        if prefetch and match.pages:
-            self._engine.prefetch(self._buffers.layout, key_array(keys)[:match.pages])
-        return match
+        return self._engine.match(self._buffers.layout, keys, prefetch=prefetch)
 
     def load(self, keys: bytes, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult:
         device = self._buffers.device if self._buffers.device.type == "cuda" else None

@@ -1,39 +1,42 @@
 """The embedded engine: store, match, load and evict over the host and disk tiers.
 
-Stores land in the host arena; when it is full, its coldest entries move to disk before
-their slots are reused. Loads copy from the best tier into the worker's rows; a disk hit
-is promoted to the host on the way. The index only ever shows committed bytes
-(invariant 1), a load delivers its whole match or fails as a whole (invariant 2), and
-entries a load reads are pinned until it ends (invariant 3). Index and tier bookkeeping
-happen under one lock; bytes are copied outside it, into slots nobody else can see yet
-or out of pinned entries.
+Stores land in the host arena, keeping the checkpoints the admission policy picks of those
+offered; a background thread copies host entries to disk (write-through, or ahead of their
+eviction for write-back) and promotes disk hits a match asked for. When the host is full,
+its entries go in the eviction policy's order. Loads copy from the best tier into the
+worker's rows; a disk hit is promoted to the host on the way. The index only ever shows
+committed bytes (invariant 1), a load delivers its whole match or fails as a whole
+(invariant 2), and entries a load or a disk write reads are pinned until it ends
+(invariant 3). Index and tier bookkeeping happen under one lock; bytes are copied outside
+it, into slots nobody else can see yet or out of pinned entries.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
-from itertools import groupby
+import time
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import torch
 
+from tiercache.admission import admit, entry_values
 from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from tiercache.hashing import Keys, key_array
 from tiercache.index import Hit, Index, Kind, Match, StopReason, Tier
 from tiercache.keymap import KeyMap
 from tiercache.layout import Layout
-from tiercache.policy import make_policy
+from tiercache.movement import Group, Movement, Transfer
+from tiercache.policy import PolicyConfig, make_policy
+from tiercache.results import EngineStats, LoadResult, StoreResult, TierStats
 from tiercache.tiering import Tiering
-from tiercache.tiers.arena import SlabPart, SlotArena
+from tiercache.tiers.arena import SlotArena
 from tiercache.tiers.disk import DiskConfig, DiskTier
 from tiercache.tiers.host import HostConfig, host_arena
 from tiercache.transfer import CpuTransfer, CudaTransfer
-
-Transfer = CpuTransfer | CudaTransfer
+from tiercache.tuning import AlphaTuner
 
 _LOAD_ATTEMPTS = 4  # a damaged entry found during a load drops it and retries the load
 
@@ -42,71 +45,22 @@ _LOAD_ATTEMPTS = 4  # a damaged entry found during a load drops it and retries t
 class EngineConfig:
     host: HostConfig = field(default_factory=HostConfig)
     disk: DiskConfig | None = None
-    policy: str = "lru"
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # a str names the eviction only
     copy_threads: int = 2
     evict_slack: float = 0.01  # an eviction frees at least this share of the tier's budget
 
-
-@dataclass(frozen=True)
-class StoreResult:
-    stored: int  # entries written now
-    present: int  # entries that were cached already (their last use is refreshed)
-    skipped: int  # entries left out for lack of room
-    checkpoints: tuple[int, ...] = ()  # page counts whose checkpoint is now cached
-
-    def __add__(self, other: "StoreResult") -> "StoreResult":
-        return StoreResult(self.stored + other.stored, self.present + other.present,
-                           self.skipped + other.skipped, self.checkpoints + other.checkpoints)
+    def __post_init__(self) -> None:
+        if isinstance(self.policy, str):
+            object.__setattr__(self, "policy", PolicyConfig(eviction=self.policy))
 
 
-@dataclass(frozen=True)
-class LoadResult:
-    match: Match  # what is now in the worker's rows
-    bytes_from: dict[Tier, int]  # bytes copied out of each tier
-    damaged: int  # damaged entries dropped on the way (each one retried the load)
-    done: Any = None  # asynchronous GPU loads: the (interprocess) event that marks the bytes in place
+def _pages(buffers: WorkerBuffers, transfer: Transfer) -> Group:
+    return Group(Kind.PAGE, buffers.paged, buffers.page_offsets, buffers.layout.page_bytes, transfer)
 
 
-@dataclass(frozen=True)
-class TierStats:
-    tier: Tier
-    entries: int
-    used_bytes: int
-    budget_bytes: int
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    tiers: tuple[TierStats, ...]
-    counters: dict[str, int]
-
-
-@dataclass
-class _Delivery:
-    bytes_from: dict[Tier, int]
-    damaged: int
-    promoted: int
-    event: Any = None
-
-
-@dataclass
-class _Group:
-    """One kind of entry moving between the worker and the tiers."""
-
-    kind: Kind
-    buffers: tuple[torch.Tensor, ...]
-    offsets: list[int]
-    nbytes: int
-    transfer: Transfer
-
-
-def _pages(buffers: WorkerBuffers, transfer: Transfer) -> _Group:
-    return _Group(Kind.PAGE, buffers.paged, buffers.page_offsets, buffers.layout.page_bytes, transfer)
-
-
-def _checkpoints(buffers: WorkerBuffers, transfer: Transfer) -> _Group:
-    return _Group(Kind.CHECKPOINT, buffers.slots, buffers.slot_offsets,
-                  buffers.layout.checkpoint_bytes, transfer)
+def _checkpoints(buffers: WorkerBuffers, transfer: Transfer) -> Group:
+    return Group(Kind.CHECKPOINT, buffers.slots, buffers.slot_offsets,
+                 buffers.layout.checkpoint_bytes, transfer)
 
 
 class Engine:
@@ -118,26 +72,28 @@ class Engine:
         self.disk = disk
         self.transfer = CpuTransfer(config.copy_threads)
         self._cuda: dict[int, CudaTransfer] = {}  # one per GPU that workers use, made on demand
-        self._pending: list[tuple[Any, np.ndarray, list[torch.Tensor]]] = []  # async loads in flight
-        # the last interprocess events handed out: a worker may open one after its copy is
-        # done, and an exported event must still exist then
-        self._handed_out: deque = deque(maxlen=1024)
         self._lock = threading.RLock()
         self._inflight = (KeyMap(), KeyMap())  # by Kind: entries a store is writing now
-        self._closed = False
+        self._closing = self._closed = False
         self.counters: dict[str, int] = dict.fromkeys(
             ["matches", "matched_pages", "stored_pages", "stored_checkpoints", "skipped_entries",
-             "loads", "loaded_pages", "demoted", "promoted", "evicted_host", "evicted_disk"], 0)
-        self.tiers = Tiering(index, host, disk, make_policy(config.policy), self.counters,
-                             config.evict_slack)
+             "declined_checkpoints", "loads", "loaded_pages", "demoted", "disk_writes", "promoted",
+             "prefetches", "promotion_waits", "evicted_host", "evicted_disk", "regrets"], 0)
+        policy = config.policy
+        self.tuner = AlphaTuner(policy.alpha, self.counters) if policy.tune_alpha else None
+        self.tiers = Tiering(index, host, disk, make_policy(policy), self.counters,
+                             config.evict_slack, self._lock, self.tuner)
+        self.moving = Movement(self.tiers, self.transfer, policy.writes, self._lock, self.counters)
 
     @classmethod
     def open(cls, config: EngineConfig = EngineConfig()) -> "Engine":
-        """Allocate the tiers and, on an existing disk directory, rebuild the index from it."""
+        """Allocate the tiers, rebuild the index from an existing disk directory, and start
+        the background thread (disk writes and promotions) when there is a disk."""
         disk = DiskTier.open(config.disk) if config.disk else None
         engine = cls(config, Index(), host_arena(config.host), disk)
         if disk is not None:
             engine._rebuild(disk)
+        engine.moving.start()
         return engine
 
     def _rebuild(self, disk: DiskTier) -> None:
@@ -152,38 +108,62 @@ class Engine:
             self.index.publish(kind, key_array([r.key for r in batch]), [r.depth for r in batch],
                                nbytes, Tier.DISK)
 
-    def flush(self) -> int:
-        """Write every host entry that is not on disk yet to disk (they stay in the host).
-        Returns how many were written; without a disk tier, 0."""
+    def drain(self) -> None:
+        """Wait until the background work asked for so far is done: after a write-through
+        store, its entries are on disk when this returns; so are promotions a match started."""
         with self._lock:
             self._check_open()
-            if self.disk is None:
-                return 0
-            rows = np.setdiff1d(self.index.rows_in(Tier.HOST), self.index.rows_in(Tier.DISK))
-            return self.tiers.demote(rows)
+        self.moving.drain()
+
+    def flush(self) -> int:
+        """Write every host entry that is not on disk yet to disk (they stay in the host).
+        Returns how many the background writer wrote meanwhile; without a disk tier, 0."""
+        with self._lock:
+            self._check_open()
+        return self._flush()
+
+    def _flush(self) -> int:
+        if self.disk is None:
+            return 0
+        with self._lock:
+            before = self.counters["disk_writes"]
+            self.moving.write_soon(self.tiers.dirty())
+        self.moving.drain()
+        with self._lock:
+            return self.counters["disk_writes"] - before
 
     def close(self, flush: bool = True) -> None:
-        """Flush the host tier to disk (unless told not to) and release everything.
-        Afterwards every call fails: the index would name bytes that are gone."""
+        """Flush the host tier to disk (unless told not to), stop the background thread and
+        release everything. Calls made from now on fail: the index would name bytes that
+        are gone. Stores still running when close begins are flushed too."""
         with self._lock:
-            if self._closed:
+            if self._closing:
                 return
-            if flush:
-                self.flush()
-            for cuda in self._cuda.values():
-                cuda.close()  # waits for every copy in flight
-            self._reap()
-            self.transfer.close()
-            self.host.close()
-            if self.disk is not None:
-                self.disk.close()
-            self._closed = True
+            self._closing = True
+        try:
+            while flush and self.disk is not None:
+                with self._lock:
+                    storing = any(len(m) for m in self._inflight)  # stores begun before close
+                self._flush()
+                if not storing:  # this flush came after the last of them published
+                    break
+                time.sleep(0.001)
+        finally:
+            self.moving.stop()
+            with self._lock:
+                for cuda in self._cuda.values():
+                    cuda.close()  # waits for every copy in flight
+                self.moving.reap()
+                self.transfer.close()
+                self.host.close()
+                if self.disk is not None:
+                    self.disk.close()
+                self._closed = True
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closing:
             raise FailedPrecondition("the engine is closed: open a new one with Engine.open")
 
-    # -- store ------------------------------------------------------------------------
     def _transfer_for(self, buffers: WorkerBuffers) -> Transfer:
         """The copy path for a worker's buffers, chosen by the device they live on."""
         if buffers.device.type != "cuda":
@@ -202,29 +182,39 @@ class Engine:
             transfer.forget(buffers.paged)
             transfer.forget(buffers.slots)
         with self._lock:
-            self._reap()
+            self.moving.reap()
 
+    # -- store ------------------------------------------------------------------------
     def store(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
               checkpoints: Mapping[int, int] | None = None, ready: Any = None) -> StoreResult:
         """Store a prompt after prefill: its KV pages (keys[i] from rows[i]; none for a
-        layout without paged buffers) and the checkpoints offered, {pages: state slot},
-        each the state after that many pages. On a GPU, copies start after `ready` (an
+        layout without paged buffers) and, of the checkpoints offered, {pages: state slot}
+        (each the state after that many pages), those the admission policy keeps. The
+        result names the checkpoints now cached. On a GPU, copies start after `ready` (an
         event the worker recorded after writing the rows); the call returns when the
         worker may reuse its rows."""
-        chain = key_array(keys)
+        layout, chain = buffers.layout, key_array(keys)
         offered = dict(checkpoints or {})
         bad = [n for n in offered if not 0 < n <= len(chain)]
         if bad:
             raise InvalidArgument(f"checkpoint at page {bad[0]} is outside the prompt's "
                                   f"{len(chain)} full pages")
-        result = StoreResult(0, 0, 0)
-        if buffers.layout.needs_pages:
-            result += self.store_pages(buffers, chain, rows, ready)
+        if offered and not layout.needs_checkpoint:
+            raise InvalidArgument("this layout has no slot buffers: offer no checkpoints")
+        slots = dict(zip(offered, row_ids(list(offered.values()), layout.slot_rows,
+                                          "state slot").tolist()))
+        if layout.needs_pages:
+            src = self._page_rows(layout, chain, rows)
         elif len(rows):
             raise InvalidArgument("this layout has no paged buffers: give no kv rows")
-        for pages, slot in sorted(offered.items()):
-            result += self.store_checkpoint(buffers, chain[:pages], slot, ready)
-        return result
+        with self._lock:
+            self._check_open()
+            shared = self._shared_pages(layout, chain)
+        kept = admit(self.config.policy.admission, offered, len(chain), shared)
+        with self._lock:
+            self.counters["declined_checkpoints"] += len(offered) - len(kept)
+        return self._store_chain(buffers, chain, src if layout.needs_pages else None,
+                                 {n: slots[n] for n in kept.tolist()}, ready)
 
     def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],
                     ready: Any = None) -> StoreResult:
@@ -232,39 +222,68 @@ class Engine:
         if not buffers.layout.needs_pages:
             raise InvalidArgument("this layout has no paged buffers: store a checkpoint instead")
         chain = key_array(keys)
-        src = row_ids(rows, buffers.layout.page_rows, "kv row")
-        if len(src) != len(chain):
-            raise InvalidArgument(f"got {len(chain)} page keys but {len(src)} kv rows: give one row per page")
-        return self._store(_pages(buffers, self._transfer_for(buffers)), chain,
-                           np.arange(1, len(chain) + 1), src, ready)
+        return self._store_chain(buffers, chain, self._page_rows(buffers.layout, chain, rows),
+                                 {}, ready)
 
     def store_checkpoint(self, buffers: WorkerBuffers, keys: Keys, slot: int,
                          ready: Any = None) -> StoreResult:
-        """Store the state in `slot`, taken after the last page of the chain `keys`."""
+        """Store the state in `slot`, taken after the last page of the chain `keys` (always:
+        admission applies to the checkpoints `store` is offered)."""
         if not buffers.layout.needs_checkpoint:
             raise InvalidArgument("this layout has no slot buffers: it has no checkpoints")
         chain = key_array(keys)
         if not len(chain):
             raise InvalidArgument("a checkpoint needs the page keys of its prefix, got none")
         src = row_ids([slot], buffers.layout.slot_rows, "state slot")
-        result = self._store(_checkpoints(buffers, self._transfer_for(buffers)), chain[-1:],
-                             np.array([len(chain)]), src, ready)
-        kept = (len(chain),) if result.stored or result.present else ()
-        return StoreResult(result.stored, result.present, result.skipped, kept)
+        return self._store_chain(buffers, chain, None, {len(chain): int(src[0])}, ready)
 
-    def _store(self, group: _Group, keys: np.ndarray, depths: np.ndarray,
-               src: np.ndarray, ready: Any) -> StoreResult:
-        group.transfer.wait_for(ready, "store")
+    def _page_rows(self, layout: Layout, chain: np.ndarray, rows: Sequence[int]) -> np.ndarray:
+        src = row_ids(rows, layout.page_rows, "kv row")
+        if len(src) != len(chain):
+            raise InvalidArgument(f"got {len(chain)} page keys but {len(src)} kv rows: give one row per page")
+        return src
+
+    def _shared_pages(self, layout: Layout, chain: np.ndarray) -> int:
+        """How many leading pages of the chain are cached (0 without paged buffers)."""
+        if not layout.needs_pages:
+            return 0
+        missing = np.flatnonzero(self.index.rows_of(Kind.PAGE, chain) < 0)
+        return int(missing[0]) if len(missing) else len(chain)
+
+    def _store_chain(self, buffers: WorkerBuffers, chain: np.ndarray, src: np.ndarray | None,
+                     offers: dict[int, int], ready: Any = None) -> StoreResult:
+        """Store the pages of a chain (if `src`) and checkpoints {pages: slot}, all under one
+        stamp, each entry rated by what it saves (admission.entry_values)."""
+        layout, depths = buffers.layout, np.array(sorted(offers), np.int64)
         with self._lock:
             self._check_open()
-            self._reap()
             stamp = self.index.tick()
-            existing = self.index.rows_of(group.kind, keys)
-            self.index.touch(existing[existing >= 0])
-            new = np.flatnonzero(existing < 0)
-            inflight = self._inflight[group.kind]
-            todo = new[inflight.lookup(keys[new]) < 0]  # another store is writing the rest
-            inflight.insert(keys[todo], todo)
+            found = (self.index.rows_of(Kind.CHECKPOINT, chain) if layout.needs_checkpoint
+                     else np.empty(0, np.int64))
+        ends = np.union1d(np.flatnonzero(found >= 0) + 1, depths)
+        page_values, end_values = entry_values(layout, len(chain), ends)
+        transfer = self._transfer_for(buffers)
+        result = StoreResult(0, 0, 0)
+        if src is not None:
+            result += self._store(_pages(buffers, transfer), chain, np.arange(1, len(chain) + 1),
+                                  src, page_values, stamp, ready)[0]
+        elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
+            with self._lock:
+                rows = self.index.rows_of(Kind.PAGE, chain)
+                self.index.raise_values(rows[rows >= 0], page_values[rows >= 0])
+        if len(depths):
+            part, kept = self._store(_checkpoints(buffers, transfer), chain[depths - 1], depths,
+                                     np.array([offers[d] for d in depths.tolist()], np.int64),
+                                     end_values[np.searchsorted(ends, depths)], stamp, ready)
+            result += StoreResult(part.stored, part.present, part.skipped,
+                                  tuple(depths[kept].tolist()))
+        return result
+
+    def _store(self, group: Group, keys: np.ndarray, depths: np.ndarray, src: np.ndarray,
+               values: np.ndarray, stamp: int, ready: Any) -> tuple[StoreResult, np.ndarray]:
+        """Store entries in the host tier; returns the result and which keys are cached now."""
+        group.transfer.wait_for(ready, "store")
+        todo, claimed = self._claim(group.kind, keys, values, stamp)
         stored = 0
         try:
             while stored < len(todo):  # in batches: each one may push the last out to disk
@@ -280,12 +299,13 @@ class Engine:
                         self.host.free(group.nbytes, slots)
                     raise
                 with self._lock:
-                    self.index.publish(group.kind, keys[batch], depths[batch], group.nbytes,
-                                       Tier.HOST, slots, stamp)
+                    rows = self.index.publish(group.kind, keys[batch], depths[batch], group.nbytes,
+                                              Tier.HOST, slots, stamp, values[batch])
+                    self.moving.stored(rows)
                 stored += len(batch)
         finally:
             with self._lock:
-                inflight.delete(keys[todo])
+                self._inflight[group.kind].delete(claimed)
                 counter = "stored_pages" if group.kind == Kind.PAGE else "stored_checkpoints"
                 self.counters[counter] += stored
                 self.counters["skipped_entries"] += len(todo) - stored
@@ -293,26 +313,49 @@ class Engine:
             raise ResourceExhausted(
                 f"no room in the host tier for a {group.nbytes}-byte entry (budget "
                 f"{self.host.budget_bytes} bytes, the rest pinned by loads): raise the host budget")
-        return StoreResult(stored=stored, present=len(keys) - len(todo),
-                           skipped=len(todo) - stored)
+        kept = np.ones(len(keys), bool)
+        kept[todo[stored:]] = False
+        return StoreResult(stored, len(keys) - len(todo), len(todo) - stored), kept
 
-    def _gather(self, group: _Group, src: np.ndarray, slots: np.ndarray) -> None:
+    def _claim(self, kind: Kind, keys: np.ndarray, values: np.ndarray, stamp: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """Refresh the entries already cached; claim the others that no concurrent store is
+        writing. Returns (positions of the claimed keys, the claimed keys)."""
+        with self._lock:
+            self._check_open()
+            self.moving.reap()
+            existing = self.index.rows_of(kind, keys)
+            present = existing >= 0
+            self.index.touch(existing[present], stamp)
+            self.index.raise_values(existing[present], values[present])
+            new = np.flatnonzero(~present)
+            self.tiers.returned(kind, keys[new])
+            todo = new[self._inflight[kind].lookup(keys[new]) < 0]  # others are writing the rest
+            self._inflight[kind].insert(keys[todo], todo)
+            return todo, keys[todo]
+
+    def _gather(self, group: Group, src: np.ndarray, slots: np.ndarray) -> None:
         """Copy worker rows into host slots; returns once the worker may reuse the rows."""
         group.transfer.gather(group.buffers, group.offsets, src,
                               list(self.host.pool(group.nbytes).parts(slots)))
         group.transfer.fence("store").synchronize()  # this batch only, not the device
 
     # -- match and load -----------------------------------------------------------------
-    def match(self, layout: Layout, keys: Keys) -> Match:
+    def match(self, layout: Layout, keys: Keys, prefetch: bool = False) -> Match:
+        """The longest hybrid match of `keys`. With `prefetch`, the background thread starts
+        promoting its disk entries to the host, so that the load that follows finds them
+        there (a load of an entry still moving waits for it)."""
         with self._lock:
             hit = self._match(layout, key_array(keys))
             self.counters["matches"] += 1
             self.counters["matched_pages"] += hit.match.pages
+            if prefetch and hit.match.pages:
+                self.counters["prefetches"] += self.moving.start_promotion(hit.rows)
             return hit.match
 
     def _match(self, layout: Layout, keys: np.ndarray) -> Hit:
         self._check_open()
-        self._reap()
+        self.moving.reap()
         self.index.tick()
         hit = self.index.match(keys, layout.page_tokens, layout.needs_pages, layout.needs_checkpoint)
         self.index.touch(hit.rows)
@@ -322,6 +365,7 @@ class Engine:
              slot: int | None = None, ready: Any = None, asynchronous: bool = False) -> LoadResult:
         """Copy the longest hybrid match of `keys` (at most len(rows) pages) into `rows` and
         `slot`. Fails as a whole: a damaged entry is dropped and the load redone shorter.
+        A load of entries a promotion is still moving waits for it.
 
         On a GPU, copies start after `ready` (an event the worker recorded after its last
         use of the rows). The call returns when the bytes are in place, or, if
@@ -348,7 +392,7 @@ class Engine:
             if hit.checkpoint_row is not None:
                 moves.append((_checkpoints(buffers, transfer), np.array([hit.checkpoint_row]),
                               dst_slot))
-            done = self._deliver(hit.rows, moves, transfer, asynchronous)
+            done = self.moving.deliver(hit.rows, moves, transfer, asynchronous)
             damaged += done.damaged
             if not done.damaged:
                 with self._lock:
@@ -357,111 +401,22 @@ class Engine:
                 return LoadResult(hit.match, done.bytes_from, damaged, done.event)
         return LoadResult(Match(0, 0, len(keys), b"", None, StopReason.MISSING_PAGE), {}, damaged)
 
-    def prefetch(self, layout: Layout, keys: Keys) -> int:
+    def prefetch(self, layout: Layout, keys: Keys, wait: bool = True) -> int:
         """Copy the disk-only entries of the hybrid match of `keys` into the host tier, so a
-        load that follows finds them there. Returns how many entries moved."""
+        load that follows finds them there. Returns how many entries moved, or, without
+        `wait`, how many the background thread was asked to move."""
         with self._lock:
             hit = self._match(layout, key_array(keys))
             if self.disk is None or hit.match.pages == 0:
                 return 0
+            if not wait:
+                return self.moving.start_promotion(hit.rows)
             self.index.pin(hit.rows)
-        moves = [(_Group(Kind.PAGE, (), [], layout.page_bytes, self.transfer), hit.page_rows, None)]
+        moves = [(Group(Kind.PAGE, (), [], layout.page_bytes, self.transfer), hit.page_rows, None)]
         if hit.checkpoint_row is not None:
-            moves.append((_Group(Kind.CHECKPOINT, (), [], layout.checkpoint_bytes, self.transfer),
+            moves.append((Group(Kind.CHECKPOINT, (), [], layout.checkpoint_bytes, self.transfer),
                           np.array([hit.checkpoint_row]), None))
-        return self._deliver(hit.rows, moves, self.transfer, False).promoted
-
-    def _deliver(self, pinned: np.ndarray, moves: list[tuple[_Group, np.ndarray, np.ndarray | None]],
-                 transfer: Transfer, asynchronous: bool) -> _Delivery:
-        """Bring pinned entries into host memory (promoting disk hits) and, where a move
-        names destination rows, scatter them into the worker. `pinned` is unpinned when
-        the copies are done: now, or, for an asynchronous load, once its event completes."""
-        done = _Delivery({}, 0, 0)
-        damaged: list[int] = []
-        promoted: list[tuple[np.ndarray, list[int], int]] = []  # (rows, host slots, nbytes)
-        staging: list[torch.Tensor] = []  # must outlive the copies that read it
-        try:
-            for group, entry_rows, dst in moves:
-                staged = self._stage(group, entry_rows, dst is not None, damaged, promoted)
-                if staged is None or dst is None:
-                    continue
-                parts, from_disk, buffer = staged
-                staging.append(buffer)
-                transfer.scatter(parts, group.buffers, group.offsets, dst)
-                for tier, count in ((Tier.HOST, len(entry_rows) - from_disk), (Tier.DISK, from_disk)):
-                    if count:
-                        done.bytes_from[tier] = done.bytes_from.get(tier, 0) + count * group.nbytes
-            done.event = transfer.fence("load", interprocess=asynchronous)
-            if not asynchronous:
-                done.event.synchronize()
-        except BaseException:
-            transfer.synchronize()  # nothing may still read entries we are about to unpin
-            raise
-        finally:
-            with self._lock:
-                if done.event is not None and asynchronous and not damaged:
-                    self._pending.append((done.event, pinned, staging))
-                    self._handed_out.append(done.event)
-                else:
-                    self.index.unpin(pinned)
-                for rows, slots, nbytes in promoted:
-                    if damaged:
-                        self.host.free(nbytes, slots)
-                    else:
-                        self.index.add_tier(rows, Tier.HOST, slots)
-                        done.promoted += len(rows)
-                self.counters["promoted"] += done.promoted
-                self.tiers.drop(np.asarray(damaged, np.int64))
-        done.damaged = len(damaged)
-        if not asynchronous:
-            done.event = None
-        return done
-
-    def _reap(self) -> None:
-        """Unpin the entries of asynchronous loads whose copies have finished (under the
-        lock)."""
-        if self._pending:
-            waiting = []
-            for event, rows, staging in self._pending:
-                if event.query():
-                    self.index.unpin(rows)
-                else:
-                    waiting.append((event, rows, staging))
-            self._pending = waiting
-
-    def _stage(self, group: _Group, entry_rows: np.ndarray, staging_ok: bool, damaged: list[int],
-               promoted: list[tuple[np.ndarray, list[int], int]]
-               ) -> tuple[list[SlabPart], int, torch.Tensor] | None:
-        """Host memory holding the pinned `entry_rows`: their host slots, where disk entries
-        are first read into new host slots (promotion) or, when the host has no room and
-        `staging_ok`, into a staging buffer (page-locked for a GPU). Returns (parts, entries
-        read from disk, the staging buffer), or None when a disk entry turned out damaged."""
-        nbytes = group.nbytes
-        with self._lock:
-            in_host = self.index.in_tier(entry_rows, Tier.HOST)
-            slots = np.where(in_host, self.index.slots(entry_rows, Tier.HOST), -1)
-            from_disk = np.flatnonzero(~in_host)
-            promo = self.tiers.reserve(nbytes, len(from_disk)) if len(from_disk) else []
-        if not staging_ok:
-            from_disk = from_disk[:len(promo)]
-        pool = self.host.pool(nbytes)
-        staging = torch.empty((len(from_disk) - len(promo), nbytes), dtype=torch.uint8,
-                              pin_memory=group.transfer.device.type == "cuda")
-        if len(from_disk):
-            bad = self.tiers.read_disk(group.kind, entry_rows[from_disk],
-                                       [pool.view(s) for s in promo] + list(staging))
-            if bad:
-                damaged.extend(bad)
-                with self._lock:
-                    self.host.free(nbytes, promo)
-                return None
-            slots[from_disk[:len(promo)]] = promo
-            promoted.append((entry_rows[from_disk[:len(promo)]], promo, nbytes))
-        at = np.flatnonzero(slots >= 0)
-        parts = [SlabPart(p.slab, p.local, at[p.positions]) for p in pool.parts(slots[at])]
-        if len(staging):
-            parts.append(SlabPart(staging, np.arange(len(staging)), from_disk[len(promo):]))
-        return parts, len(from_disk), staging
+        return self.moving.deliver(hit.rows, moves, self.transfer).promoted
 
     def evict(self, keys: Keys | None = None, tier: Tier | None = None) -> int:
         """Drop the pages and checkpoints named by `keys` (all entries if None) from `tier`
@@ -493,4 +448,5 @@ class Engine:
                                        self.disk.budget_bytes))
             counters = dict(self.counters)
             counters["checksum_failures"] = self.disk.checksum_failures if self.disk else 0
-            return EngineStats(tuple(tiers), counters)
+            alpha = getattr(self.tiers.policy, "alpha", None)
+            return EngineStats(tuple(tiers), counters, alpha)

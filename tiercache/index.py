@@ -79,6 +79,7 @@ class Candidates:
     depth: np.ndarray
     kind: np.ndarray
     nbytes: np.ndarray
+    value: np.ndarray  # FLOPs saved per byte held, as the engine rated it at store time
 
 
 def best_tiers(masks: np.ndarray) -> np.ndarray:
@@ -90,7 +91,7 @@ def best_tiers(masks: np.ndarray) -> np.ndarray:
 class Index:
     _DTYPES = {"kind": np.uint8, "tiers": np.uint8, "pins": np.uint32, "depth": np.uint32,
                "nbytes": np.int64, "stamp": np.uint64, "slot_1": np.int32, "slot_2": np.int32,
-               "key_lo": np.uint64, "key_hi": np.uint64}
+               "key_lo": np.uint64, "key_hi": np.uint64, "value": np.float32}
 
     def __init__(self, capacity: int = 1024) -> None:
         self._maps = (KeyMap(), KeyMap())  # by Kind
@@ -132,7 +133,7 @@ class Index:
         return np.stack([self._cols["key_lo"][rows], self._cols["key_hi"][rows]], axis=1)
 
     def column(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """Values of one column (kind, tiers, pins, depth, nbytes, stamp) at `rows`."""
+        """Values of one column (kind, tiers, pins, depth, nbytes, stamp, value) at `rows`."""
         return self._cols[name][rows]
 
     def slots(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
@@ -180,8 +181,10 @@ class Index:
 
     # -- updates ----------------------------------------------------------------------
     def publish(self, kind: Kind, keys: np.ndarray, depths: Sequence[int], nbytes: int,
-                tier: Tier, slots: Sequence[int] | None = None, stamp: int | None = None) -> np.ndarray:
-        """Make `keys` (distinct) visible in `tier`; call only once their bytes are all there."""
+                tier: Tier, slots: Sequence[int] | None = None, stamp: int | None = None,
+                values: np.ndarray | None = None) -> np.ndarray:
+        """Make `keys` (distinct) visible in `tier`; call only once their bytes are all there.
+        `values` rate the entries for eviction (0 if not given; see `raise_values`)."""
         rows = self._maps[kind].lookup(keys)
         new = np.flatnonzero(rows < 0)
         if len(new):
@@ -198,14 +201,18 @@ class Index:
             cols["depth"][fresh] = np.asarray(depths, np.int64)[new]
             cols["nbytes"][fresh] = nbytes
             cols["key_lo"][fresh], cols["key_hi"][fresh] = keys[new, 0], keys[new, 1]
+            cols["value"][fresh] = 0
         if np.any(self._cols["nbytes"][rows] != nbytes):
             raise ValueError(f"an entry among {len(keys)} keys is not {nbytes} bytes")
-        self.add_tier(rows, tier, slots, stamp)
+        if values is not None:
+            self.raise_values(rows, values)
+        self.add_tier(rows, tier, slots, self._clock if stamp is None else stamp)
         return rows
 
     def add_tier(self, rows: np.ndarray, tier: Tier, slots: Sequence[int] | None = None,
                  stamp: int | None = None) -> None:
-        """Make entries already in the index visible in one more tier."""
+        """Make entries already in the index visible in one more tier. Their last use stays
+        as it was unless `stamp` is given: a copy between tiers is not a use."""
         bit, cols = int(tier), self._cols
         if np.any(cols["tiers"][rows] & bit):
             raise ValueError(f"an entry is already published in {tier.name}")
@@ -213,7 +220,8 @@ class Index:
         if tier in ARENA_TIERS:
             assert slots is not None and len(slots) == len(rows), f"{tier.name} entries need slots"
             self._slot_column(tier)[rows] = slots
-        cols["stamp"][rows] = self._clock if stamp is None else stamp
+        if stamp is not None:
+            cols["stamp"][rows] = stamp
         self.count[tier] += len(rows)
         self.bytes[tier] += int(cols["nbytes"][rows].sum())
 
@@ -232,9 +240,17 @@ class Index:
                 self._maps[kind].delete(self.keys(leaving))
         self._free.extend(gone.tolist())
 
-    def touch(self, rows: np.ndarray) -> None:
-        """Mark rows as used now. Of rows used together, deeper ones are evicted first."""
-        self._cols["stamp"][rows] = self.tick()
+    def raise_values(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Rate entries at least `values`: an entry shared by several prompts keeps the best
+        rating any of them gave it."""
+        np.maximum.at(self._cols["value"], rows, np.asarray(values, np.float32))
+
+    def touch(self, rows: np.ndarray, stamp: int | None = None) -> None:
+        """Mark rows as used now (or at `stamp`). Of rows used together, deeper ones are
+        evicted first."""
+        column = self._cols["stamp"]
+        # a use at `stamp` never makes an entry look older than a later use did
+        column[rows] = self.tick() if stamp is None else np.maximum(column[rows], stamp)
 
     def pin(self, rows: np.ndarray) -> None:
         np.add.at(self._cols["pins"], rows, 1)
@@ -252,7 +268,7 @@ class Index:
             mask &= cols["nbytes"] == nbytes
         rows = np.flatnonzero(mask)
         return Candidates(rows, cols["stamp"][rows], cols["depth"][rows],
-                          cols["kind"][rows], cols["nbytes"][rows])
+                          cols["kind"][rows], cols["nbytes"][rows], cols["value"][rows])
 
     def rows_in(self, tier: Tier) -> np.ndarray:
         return np.flatnonzero((self._cols["tiers"] & int(tier)) != 0)

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import xxhash
 
 from tiercache.errors import InvalidArgument
+from tiercache.flops import ModelShape
 
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -79,6 +80,9 @@ class Layout:
     slots: tuple[BufferSpec, ...] = ()
     tp_rank: int = 0
     tp_size: int = 1
+    # What the model's prefill costs, for eviction by FLOPs saved. Not part of the
+    # fingerprint: it says what the bytes are worth, not whether they can be reused.
+    model: ModelShape | None = field(default=None, compare=False)
     fingerprint: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +100,8 @@ class Layout:
             if len({b.rows for b in specs}) > 1:
                 raise LayoutError(f"{kind} buffers have different row counts "
                                   f"{[b.rows for b in specs]}: a row id must index every one")
+        if self.model is not None and not isinstance(self.model, ModelShape):
+            raise LayoutError(f"model must be a ModelShape or None, got {type(self.model).__name__}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise LayoutError(f"tp_rank must lie in [0, tp_size={self.tp_size}), got {self.tp_rank}")
         canonical = json.dumps(self._identity(), sort_keys=True, separators=(",", ":"))
@@ -136,9 +142,10 @@ class Layout:
 
     @classmethod
     def of(cls, page_tokens: int, paged: Mapping[str, Any] | None = None,
-           slots: Mapping[str, Any] | None = None, tp_rank: int = 0, tp_size: int = 1) -> "Layout":
+           slots: Mapping[str, Any] | None = None, tp_rank: int = 0, tp_size: int = 1,
+           model: ModelShape | None = None) -> "Layout":
         """The layout of named tensors, e.g. Layout.of(16, paged={"k0": k0, "v0": v0})."""
         return cls(page_tokens,
                    tuple(BufferSpec.of(n, t) for n, t in (paged or {}).items()),
                    tuple(BufferSpec.of(n, t) for n, t in (slots or {}).items()),
-                   tp_rank, tp_size)
+                   tp_rank, tp_size, model)

@@ -1,34 +1,52 @@
-"""Room and movement between tiers: reserving host slots by evicting cold entries,
-demoting host entries to disk before their slots are reused, reading verified disk
-entries, and removing entries from a tier.
+"""Room and movement between tiers: reserving host slots by evicting cold entries, writing
+host entries to disk (in batches, by the background writer, or synchronously for an
+evicted entry the writer has not reached), reading verified disk entries, and removing
+entries from a tier.
 
-Not thread-safe: the engine calls it under its lock, except `read_disk`, which reads
-pinned entries only.
+Not thread-safe: the engine calls it under its lock (`lock`, shared), except `read_disk`
+and `write`, which touch pinned entries only and take the lock to make room.
 """
 
 from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tiercache.hashing import key_list
 from tiercache.index import Index, Kind, Tier
-from tiercache.policy import EvictionPolicy
+from tiercache.policy import EvictionPolicy, FlopAware
 from tiercache.tiers.arena import SlotArena
 from tiercache.tiers.disk import DiskFull, DiskTier, as_array
+from tiercache.tuning import AlphaTuner
 
 _DISK_RETRIES = 4  # LMDB may need more room than the budget says: evict more, retry
 
 
+@dataclass(frozen=True)
+class DiskBatch:
+    """Host entries on their way to disk: pinned, so their slots stay as they are."""
+
+    rows: np.ndarray
+    entries: list  # (kind, key, depth, bytes) as DiskTier.write takes them
+    nbytes: int
+
+
 class Tiering:
     def __init__(self, index: Index, host: SlotArena, disk: DiskTier | None,
-                 policy: EvictionPolicy, counters: dict[str, int], evict_slack: float) -> None:
+                 policy: EvictionPolicy, counters: dict[str, int], evict_slack: float,
+                 lock: threading.RLock, tuner: AlphaTuner | None = None) -> None:
         self.index = index
         self.host = host
         self.disk = disk
         self.policy = policy
         self.counters = counters
         self.evict_slack = evict_slack
+        self.lock = lock
+        self.tuner = tuner
+        self.writing_bytes = 0  # disk room promised to batches being written
 
     def read_disk(self, kind: Kind, rows: np.ndarray, targets: list[torch.Tensor]) -> list[int]:
         """Copy verified disk entries into `targets`; returns the rows found damaged."""
@@ -48,27 +66,33 @@ class Tiering:
         slots = self.host.alloc(nbytes, count)
         while len(slots) < count and self.host.fits(nbytes):
             want = max((count - len(slots)) * nbytes, int(self.host.budget_bytes * self.evict_slack))
-            if not self.evict(Tier.HOST, want, nbytes):
+            if not self.evict(Tier.HOST, want):
                 break
             slots += self.host.alloc(nbytes, count - len(slots))
         return slots
 
-    def evict(self, tier: Tier, want_bytes: int, nbytes: int | None = None) -> int:
-        """Free about `want_bytes` of `tier`, coldest first; host entries move to disk first.
-        Prefers entries of `nbytes` (their slots are what the caller needs)."""
-        candidates = self.index.candidates(tier, nbytes)
-        if nbytes is not None and not len(candidates.rows):
-            candidates = self.index.candidates(tier)  # other sizes: their slabs may empty
+    def evict(self, tier: Tier, want_bytes: int) -> int:
+        """Free about `want_bytes` of `tier` in the policy's order; host entries that are not
+        on disk yet are written there first. Returns the bytes freed."""
+        candidates = self.index.candidates(tier)
         order = self.policy.order(candidates)
         sizes = np.cumsum(candidates.nbytes[order])
-        victims = candidates.rows[order][:int(np.searchsorted(sizes, want_bytes)) + 1]
+        chosen = order[:int(np.searchsorted(sizes, want_bytes)) + 1]
+        victims = candidates.rows[chosen]
         if not len(victims):
             return 0
+        if tier == Tier.HOST and self.tuner is not None:
+            self.tuner.evicted(candidates, chosen, self.index.keys(victims))
         if tier == Tier.HOST and self.disk is not None:
-            self.demote(victims)
+            self.counters["demoted"] += self.demote(victims)
         self.remove(victims, tier)
         self.counters["evicted_" + tier.name.lower()] += len(victims)
         return int(sizes[len(victims) - 1])
+
+    def returned(self, kind: Kind, keys: np.ndarray) -> None:
+        """Entries are being stored anew: let the tuner learn from evictions it regrets."""
+        if self.tuner is not None and self.tuner.returned(kind, keys):
+            self.policy = FlopAware(self.tuner.alpha)
 
     def remove(self, rows: np.ndarray, tier: Tier) -> None:
         """Take unpinned entries out of one tier and give back their room."""
@@ -82,45 +106,64 @@ class Tiering:
             self.disk.delete([(Kind(k), key) for k, key in zip(kinds, key_list(self.index.keys(rows)))])
         self.index.unpublish(rows, tier)
 
+    def dirty(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """Of `rows` (every row if None), those in the host and not on disk yet."""
+        rows = self.index.rows_in(Tier.HOST) if rows is None else rows
+        return rows[self.index.in_tier(rows, Tier.HOST) & ~self.index.in_tier(rows, Tier.DISK)]
+
     def demote(self, rows: np.ndarray) -> int:
-        """Write host entries to disk (those not there yet) in one transaction; returns how
-        many were written (0 when they cannot fit the disk tier)."""
+        """Write host entries not on disk yet to disk now, in one transaction, under the
+        engine lock: the fallback for victims the background writer has not reached.
+        Returns how many were written (0 when they cannot fit the disk tier)."""
+        batch = self.begin_write(rows, limit=len(rows))
+        if batch is None:
+            return 0
+        return self.end_write(batch, self.write(batch))
+
+    def begin_write(self, rows: np.ndarray, limit: int) -> DiskBatch | None:
+        """Pin up to `limit` of the dirty `rows`, make room for them on disk, and take what a
+        disk write needs; None if there is nothing to write or it cannot fit."""
         assert self.disk is not None
         index = self.index
-        rows = rows[~index.in_tier(rows, Tier.DISK)]
+        rows = self.dirty(np.unique(rows))[:limit]
         sizes = index.column("nbytes", rows)
         total = int(sizes.sum())
         if not len(rows) or total > self.disk.budget_bytes:
-            return 0
-        slots = index.slots(rows, Tier.HOST)
+            return None
         entries = [(Kind(kind), key, depth, self.host.pool(size).view(slot).numpy())
                    for kind, key, depth, size, slot in zip(
                        index.column("kind", rows).tolist(), key_list(index.keys(rows)),
-                       index.column("depth", rows).tolist(), sizes.tolist(), slots.tolist())]
-        index.pin(rows)  # not candidates for the disk evictions below
-        try:
-            written = self._write_disk(entries, total)
-        finally:
-            index.unpin(rows)
-        if written:
-            index.add_tier(rows, Tier.DISK)
-            self.counters["demoted"] += len(rows)
-        return len(rows) if written else 0
-
-    def _write_disk(self, entries: list, total: int) -> bool:
-        """Make room for `total` bytes on disk and write the entries in one transaction."""
-        assert self.disk is not None
-        over = self.disk.used_bytes + total - self.disk.budget_bytes
+                       index.column("depth", rows).tolist(), sizes.tolist(),
+                       index.slots(rows, Tier.HOST).tolist())]
+        index.pin(rows)  # pinned while read, and no candidate for the disk evictions below
+        over = self.disk.used_bytes + self.writing_bytes + total - self.disk.budget_bytes
         if over > 0:
             self.evict(Tier.DISK, over)
+        self.writing_bytes += total
+        return DiskBatch(rows, entries, total)
+
+    def write(self, batch: DiskBatch) -> bool:
+        """Write a batch in one transaction (no engine lock needed: its rows are pinned).
+        False when LMDB stays full after the retries."""
+        assert self.disk is not None
         for _ in range(_DISK_RETRIES):
             try:
-                self.disk.write(entries)
+                self.disk.write(batch.entries)
                 return True
             except DiskFull:  # LMDB's own overhead beyond the budget: make more room, retry
-                if not self.evict(Tier.DISK, max(total, self.disk.budget_bytes // 10)):
-                    return False
+                with self.lock:
+                    if not self.evict(Tier.DISK, max(batch.nbytes, self.disk.budget_bytes // 10)):
+                        return False
         return False
+
+    def end_write(self, batch: DiskBatch, written: bool) -> int:
+        """Publish a written batch in the disk tier (after its commit) and unpin it."""
+        self.writing_bytes -= batch.nbytes
+        self.index.unpin(batch.rows)
+        if not written:
+            return 0
+        self.index.add_tier(batch.rows, Tier.DISK)
+        return len(batch.rows)
 
     def drop(self, rows: np.ndarray) -> None:
         """Remove damaged entries from every tier. One a load is still reading stays:

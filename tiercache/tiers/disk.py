@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -114,6 +115,7 @@ class DiskTier:
         self.data_db = env.open_db(b"data")
         self.used_bytes = 0
         self.checksum_failures = 0
+        self._counting = threading.Lock()  # writes and deletes may run on different threads
 
     @classmethod
     def open(cls, config: DiskConfig) -> "DiskTier":
@@ -145,7 +147,8 @@ class DiskTier:
                     added += view.nbytes
         except lmdb.MapFullError as error:
             raise DiskFull(f"LMDB map of {self.config.map_size} bytes is full") from error
-        self.used_bytes += added
+        with self._counting:
+            self.used_bytes += added
 
     def delete(self, entries: Sequence[tuple[Kind, PageKey]]) -> None:
         self._delete([_db_key(kind, key) for kind, key in entries])
@@ -159,7 +162,8 @@ class DiskTier:
                     removed += len(payload)
                     txn.delete(dkey, db=self.data_db)
                 txn.delete(dkey, db=self.meta_db)
-        self.used_bytes -= removed
+        with self._counting:
+            self.used_bytes -= removed
 
     @contextmanager
     def reader(self) -> Iterator[DiskReader]:

@@ -1,0 +1,102 @@
+"""The engine with workers on a GPU: stores, loads (synchronous and asynchronous), disk
+hits promoted or staged, and the background writer and promotions beside CUDA copies."""
+
+import numpy as np
+import pytest
+import torch
+
+from tiercache.buffers import WorkerBuffers
+from tiercache.engine import Engine, EngineConfig
+from tiercache.index import Tier
+from tiercache.policy import PolicyConfig, WriteConfig
+from tiercache.tiers.disk import DiskConfig
+from tiercache.tiers.host import HostConfig
+from tests.tiercache.helpers import hybrid_layout, prompt_keys, random_buffers
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+LAYOUT = hybrid_layout(page_rows=64, slot_rows=8)
+
+
+def on_gpu(seed):
+    cpu = random_buffers(LAYOUT, seed)
+    return WorkerBuffers.bind(LAYOUT, [t.view(getattr(torch, s.dtype)).view(s.shape).cuda()
+                                       for t, s in zip(cpu.paged, LAYOUT.paged)],
+                              [t.view(getattr(torch, s.dtype)).view(s.shape).cuda()
+                               for t, s in zip(cpu.slots, LAYOUT.slots)])
+
+
+def rows_of(worker, rows):
+    return [b[list(rows)].cpu() for b in worker.paged]
+
+
+def state_of(worker, slot):
+    return [b[slot].cpu() for b in worker.slots]
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def open_engine(tmp_path=None, **writes):
+    disk = DiskConfig(str(tmp_path), map_size=1 << 26, sync=False) if tmp_path else None
+    return Engine.open(EngineConfig(
+        host=HostConfig(budget_bytes=1 << 20, pin=True),
+        disk=disk, policy=PolicyConfig(eviction="flop", writes=WriteConfig(**writes))))
+
+
+def test_a_gpu_store_and_asynchronous_load_round_trip_exactly():
+    engine = open_engine()
+    source, dest = on_gpu(1), on_gpu(2)
+    keys = prompt_keys(LAYOUT, seed=1, pages=6)
+    # 1. store six pages and the checkpoint at their end from GPU rows
+    result = engine.store(source, keys, range(6), {6: 0})
+    assert result.stored == 7 and result.checkpoints == (6,)
+    # 2. an asynchronous load hands back an event; its entries stay pinned until it is done
+    loaded = engine.load(dest, keys, range(10, 16), slot=3, asynchronous=True)
+    assert loaded.match.pages == 6 and loaded.done is not None
+    pinned = engine.index.rows_of(0, np.frombuffer(b"".join(keys), np.uint64).reshape(-1, 2))
+    assert engine.index.column("pins", pinned).tolist() == [1] * 6
+    loaded.done.synchronize()
+    engine.quiesce(dest)
+    assert engine.index.column("pins", pinned).tolist() == [0] * 6
+    assert same(rows_of(dest, range(10, 16)), rows_of(source, range(6)))
+    assert same(state_of(dest, 3), state_of(source, 0))
+    engine.close()
+
+
+@pytest.mark.parametrize("host_bytes, tier", [(1 << 20, Tier.HOST),
+                                              (LAYOUT.checkpoint_bytes, Tier.DISK)])
+def test_a_disk_hit_reaches_gpu_rows_promoted_or_staged(tmp_path, host_bytes, tier):
+    source, dest = on_gpu(1), on_gpu(2)
+    keys = prompt_keys(LAYOUT, seed=1, pages=4)
+    # 1. one engine writes a prompt through to disk and closes
+    writer = open_engine(tmp_path, host="through")
+    writer.store(source, keys, range(4), {4: 0})
+    writer.close()
+    # 2. another opens the directory; with room its load promotes the pages to the host,
+    # with a host smaller than a page it stages them in page-locked memory: either way the
+    # GPU rows get the exact bytes
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=host_bytes, pin=True),
+                                      disk=DiskConfig(str(tmp_path), map_size=1 << 26, sync=False)))
+    assert set(engine.load(dest, keys, range(20, 24), slot=5).bytes_from) == {Tier.DISK}
+    assert same(rows_of(dest, range(20, 24)), rows_of(source, range(4)))
+    assert same(state_of(dest, 5), state_of(source, 0))
+    assert engine.match(LAYOUT, keys).page_tiers[0] == tier
+    engine.close()
+
+
+def test_a_match_promotes_in_the_background_before_a_gpu_load(tmp_path):
+    engine = open_engine(tmp_path, host="through")
+    source, dest = on_gpu(1), on_gpu(2)
+    keys = prompt_keys(LAYOUT, seed=1, pages=5)
+    engine.store(source, keys, range(5), {5: 0})
+    engine.drain()
+    engine.evict(tier=Tier.HOST)
+    # the match starts the promotion; the load waits for it if needed and reads the host
+    engine.match(LAYOUT, keys, prefetch=True)
+    loaded = engine.load(dest, keys, range(30, 35), slot=2)
+    assert loaded.bytes_from == {Tier.HOST: 5 * LAYOUT.page_bytes + LAYOUT.checkpoint_bytes}
+    assert same(rows_of(dest, range(30, 35)), rows_of(source, range(5)))
+    engine.close()

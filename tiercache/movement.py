@@ -1,0 +1,351 @@
+"""Bytes moving between tiers and into workers: loads, promotions and disk writes.
+
+- Loads: `deliver` brings pinned entries into host memory (a disk hit is promoted to the
+  host on the way, or read into a staging buffer when the host has no room) and scatters
+  them into the worker's rows. An asynchronous (GPU) load keeps its entries pinned until
+  the event its copies end with completes (`reap`).
+- Promotions: a match may ask for its disk hits to move up ahead of the load
+  (`start_promotion`); the background thread reads them into host slots nobody can see
+  and publishes them once the copy is complete. Every entry being promoted, by that
+  thread or by a load, belongs to a `Move` until it is published: a load waits for the
+  moves of the entries it needs, and reads an entry someone else started moving since
+  from disk itself, so no entry is promoted twice and no slot is read before its bytes
+  are whole.
+- Writes: host entries go to disk in batches, one LMDB transaction each, on the
+  background thread: right after their store (write-through), or, for write-back, the
+  coldest `clean_ahead` share of the host budget once the host fills past the rest, so
+  that evictions find their victims on disk already. A victim the writer has not reached
+  (a store needing more room than is kept clean, or write-back with nothing kept clean)
+  is written by the eviction itself, synchronously (`Tiering.demote`): never lost.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tiercache.background import Background
+from tiercache.index import Index, Kind, Tier
+from tiercache.policy import WriteConfig
+from tiercache.tiering import Tiering
+from tiercache.tiers.arena import SlabPart
+from tiercache.transfer import CpuTransfer, CudaTransfer
+
+Transfer = CpuTransfer | CudaTransfer
+
+
+@dataclass
+class Group:
+    """One kind of entry moving between the worker and the tiers."""
+
+    kind: Kind
+    buffers: tuple[torch.Tensor, ...]
+    offsets: list[int]
+    nbytes: int
+    transfer: Transfer  # the copy path of the worker's device
+
+
+@dataclass
+class Move:
+    """Disk entries on their way into host slots that nobody can see yet."""
+
+    rows: np.ndarray
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Delivery:
+    bytes_from: dict[Tier, int]
+    damaged: int
+    promoted: int
+    event: Any = None  # asynchronous loads: the event that marks the copies done
+
+
+class Movement:
+    def __init__(self, tiers: Tiering, transfer: CpuTransfer, writes: WriteConfig,
+                 lock: threading.RLock, counters: dict[str, int]) -> None:
+        self.tiers = tiers
+        self.index: Index = tiers.index
+        self.host = tiers.host
+        self.transfer = transfer
+        self.writes = writes
+        self.lock = lock
+        self.counters = counters
+        self.background = Background(self.step, "tiercache-background")
+        self._moves: list[Move] = []  # every promotion in flight
+        self._queued: deque[Move] = deque()  # promotions waiting for the background thread
+        self._to_write: deque[np.ndarray] = deque()  # rows to write to disk, oldest first
+        self._pending: list[tuple[Any, np.ndarray, list[torch.Tensor]]] = []  # async loads
+        # the last interprocess events handed out: a worker may open one after its copy is
+        # done, and an exported event must still exist then
+        self._handed_out: deque = deque(maxlen=1024)
+        self.stopped = False
+
+    # -- the background thread ------------------------------------------------------------
+    def start(self) -> None:
+        if self.tiers.disk is not None:  # both of its jobs need a disk
+            self.background.start()
+
+    def drain(self) -> None:
+        """Return when every write and promotion asked for so far is done."""
+        if self.background.running:
+            self.background.drain()
+        else:  # never started (an engine built by hand): do the work here
+            while self.step():
+                pass
+
+    def stop(self) -> None:
+        """Finish what was asked, end the thread, and give up promotions still queued."""
+        self.background.stop()
+        with self.lock:
+            self.stopped = True
+            while self._queued:
+                self._finish(self._queued.popleft(), [])
+
+    def step(self) -> bool:
+        """One promotion or one disk batch; False when there was nothing to do."""
+        rows, queued, batch = np.empty(0, np.int64), False, None
+        with self.lock:
+            if self.stopped:
+                return False
+            move = self._queued.popleft() if self._queued else None
+            if move is None:
+                rows, queued = self._next_writes()
+                batch = self.tiers.begin_write(rows, len(rows)) if len(rows) else None
+        if move is not None:
+            self._promote(move)
+            return True
+        if batch is None:
+            return queued  # the queue shrank: look again; nothing else would change
+        written = False
+        try:
+            written = self.tiers.write(batch)
+        finally:
+            with self.lock:
+                self.counters["disk_writes"] += self.tiers.end_write(batch, written)
+        return True
+
+    # -- writes -----------------------------------------------------------------------------
+    def stored(self, rows: np.ndarray) -> None:
+        """Entries were just published in the host: write them through, or clean ahead of
+        eviction if the host is nearly full. Call under the lock."""
+        if self.tiers.disk is None:
+            return
+        if self.writes.host == "through":
+            self.write_soon(rows)
+        elif self.host.used_bytes >= self.host.budget_bytes * (1 - self.writes.clean_ahead):
+            self.background.kick()
+
+    def write_soon(self, rows: np.ndarray) -> None:
+        """Queue host entries for the background writer. Call under the lock."""
+        if len(rows):
+            self._to_write.append(np.asarray(rows, np.int64))
+            self.background.kick()
+
+    def _next_writes(self) -> tuple[np.ndarray, bool]:
+        """The next rows to write, and whether they came from the queue."""
+        limit = self.writes.batch_entries
+        while self._to_write:
+            rows = self._to_write[0]
+            if len(rows) > limit:
+                self._to_write[0] = rows[limit:]
+            else:
+                self._to_write.popleft()
+            rows = self.tiers.dirty(rows[:limit])
+            if len(rows):
+                return rows, True
+        return self._clean_ahead(limit), False
+
+    def _clean_ahead(self, limit: int) -> np.ndarray:
+        """Write-back: the dirty ones among the coldest `clean_ahead` of the host budget,
+        once the host is that close to full."""
+        ahead = self.host.budget_bytes * self.writes.clean_ahead
+        far = self.host.used_bytes < self.host.budget_bytes - ahead
+        if self.writes.host != "back" or not ahead or far:
+            return np.empty(0, np.int64)
+        candidates = self.index.candidates(Tier.HOST)
+        order = self.tiers.policy.order(candidates)
+        sizes = np.cumsum(candidates.nbytes[order])
+        coldest = candidates.rows[order][:int(np.searchsorted(sizes, ahead)) + 1]
+        return self.tiers.dirty(coldest)[:limit]
+
+    # -- promotions -------------------------------------------------------------------------
+    def moving(self, rows: np.ndarray) -> np.ndarray:
+        """Which of `rows` a promotion in flight owns. Call under the lock."""
+        if not self._moves:
+            return np.zeros(len(rows), bool)
+        return np.isin(rows, np.concatenate([m.rows for m in self._moves]))
+
+    def await_moves(self, rows: np.ndarray) -> None:
+        """Wait (without the lock) until no promotion in flight owns any of `rows`."""
+        while True:
+            with self.lock:
+                pending = [m for m in self._moves if np.isin(m.rows, rows).any()]
+                self.counters["promotion_waits"] += bool(pending)
+            if not pending:
+                return
+            for move in pending:
+                move.done.wait()
+
+    def start_promotion(self, rows: np.ndarray) -> int:
+        """Queue the disk-only entries among `rows` (none of them being moved already) for
+        promotion to the host; returns how many. Call under the lock."""
+        if not self.background.running or self.stopped:
+            return 0
+        rows = rows[~self.index.in_tier(rows, Tier.HOST)]
+        rows = rows[~self.moving(rows)]
+        if not len(rows):
+            return 0
+        self.index.pin(rows)  # pinned while read: the disk copy stays until it is done
+        move = Move(rows)
+        self._moves.append(move)
+        self._queued.append(move)
+        self.background.kick()
+        return len(rows)
+
+    def _promote(self, move: Move) -> None:
+        """Read a move's entries from disk into new host slots, then publish them."""
+        placed: list[tuple[np.ndarray, list[int], int, list[int] | None]] = []
+        try:
+            kinds, sizes = self.index.column("kind", move.rows), self.index.column("nbytes", move.rows)
+            for kind, nbytes in sorted(set(zip(kinds.tolist(), sizes.tolist()))):
+                rows = move.rows[(kinds == kind) & (sizes == nbytes)]
+                with self.lock:
+                    slots = self.tiers.reserve(nbytes, len(rows))
+                placed.append((rows[:len(slots)], slots, nbytes, None))
+                pool = self.host.pool(nbytes)
+                bad = self.tiers.read_disk(Kind(kind), rows[:len(slots)], [pool.view(s) for s in slots])
+                placed[-1] = (rows[:len(slots)], slots, nbytes, bad)
+        finally:
+            with self.lock:
+                self._finish(move, placed)
+
+    def _finish(self, move: Move, placed: list) -> None:
+        """Publish what a move copied whole, give back the rest, wake its waiters."""
+        self.index.unpin(move.rows)
+        damaged: list[int] = []
+        for rows, slots, nbytes, bad in placed:
+            good = np.ones(len(rows), bool) if bad is not None else np.zeros(len(rows), bool)
+            good &= ~np.isin(rows, bad or [])
+            slots = np.asarray(slots, np.int64)
+            self.host.free(nbytes, slots[~good].tolist())
+            self.index.add_tier(rows[good], Tier.HOST, slots[good])
+            self.counters["promoted"] += int(good.sum())
+            damaged += bad or []
+        self.tiers.drop(np.asarray(damaged, np.int64))
+        self._moves.remove(move)
+        move.done.set()
+
+    # -- loads ------------------------------------------------------------------------------
+    def reap(self) -> None:
+        """Unpin the entries of asynchronous loads whose copies have finished. Call under
+        the lock."""
+        if self._pending:
+            waiting = []
+            for event, rows, staging in self._pending:
+                if event.query():
+                    self.index.unpin(rows)
+                else:
+                    waiting.append((event, rows, staging))
+            self._pending = waiting
+
+    def deliver(self, pinned: np.ndarray, moves: list[tuple[Group, np.ndarray, np.ndarray | None]],
+                transfer: Transfer, asynchronous: bool = False) -> Delivery:
+        """Bring pinned entries into host memory (promoting disk hits) and, where a move
+        names destination rows, scatter them into the worker. `pinned` is unpinned when
+        the copies are done: now, or, for an asynchronous load, once its event completes."""
+        done = Delivery({}, 0, 0)
+        damaged: list[int] = []
+        promoted: list[tuple[Move, list[int], int]] = []  # (move, host slots, nbytes)
+        staging: list[torch.Tensor] = []  # must outlive the copies that read it
+        try:
+            self.await_moves(pinned)
+            for group, entry_rows, dst in moves:
+                staged = self._stage(group, entry_rows, dst is not None, damaged, promoted)
+                if staged is None or dst is None:
+                    continue
+                parts, from_disk, buffer = staged
+                staging.append(buffer)
+                transfer.scatter(parts, group.buffers, group.offsets, dst)
+                for tier, count in ((Tier.HOST, len(entry_rows) - from_disk),
+                                    (Tier.DISK, from_disk)):
+                    if count:
+                        done.bytes_from[tier] = done.bytes_from.get(tier, 0) + count * group.nbytes
+            done.event = transfer.fence("load", interprocess=asynchronous)
+            if not asynchronous:
+                done.event.synchronize()
+        except BaseException:
+            transfer.synchronize()  # nothing may still read entries we are about to unpin
+            raise
+        finally:
+            with self.lock:
+                self._settle(done, pinned, staging, promoted, damaged, asynchronous)
+        done.damaged = len(damaged)
+        if not asynchronous:
+            done.event = None
+        return done
+
+    def _settle(self, done: Delivery, pinned: np.ndarray, staging: list[torch.Tensor],
+                promoted: list[tuple[Move, list[int], int]], damaged: list[int],
+                asynchronous: bool) -> None:
+        """After a delivery (under the lock): unpin or leave pinned for the copies still
+        running, publish the promotions (none if an entry was damaged), drop the damaged."""
+        if done.event is not None and asynchronous and not damaged:
+            self._pending.append((done.event, pinned, staging))
+            self._handed_out.append(done.event)
+        else:
+            self.index.unpin(pinned)
+        for move, slots, nbytes in promoted:
+            if damaged:
+                self.host.free(nbytes, slots)
+            else:
+                self.index.add_tier(move.rows, Tier.HOST, slots)
+                done.promoted += len(move.rows)
+            self._moves.remove(move)
+            move.done.set()
+        self.counters["promoted"] += done.promoted
+        self.tiers.drop(np.asarray(damaged, np.int64))
+
+    def _stage(self, group: Group, entry_rows: np.ndarray, staging_ok: bool, damaged: list[int],
+               promoted: list[tuple[Move, list[int], int]]
+               ) -> tuple[list[SlabPart], int, torch.Tensor] | None:
+        """Host memory holding the pinned `entry_rows`: their host slots, where disk entries
+        are first read into new host slots (promotion) or, when the host has no room or
+        another promotion owns them and `staging_ok`, into a staging buffer (page-locked
+        for a GPU). Returns (parts, entries read from disk, the staging buffer), or None
+        when a disk entry turned out damaged."""
+        nbytes = group.nbytes
+        with self.lock:
+            in_host = self.index.in_tier(entry_rows, Tier.HOST)
+            slots = np.where(in_host, self.index.slots(entry_rows, Tier.HOST), -1)
+            from_disk = np.flatnonzero(~in_host)
+            owned = self.moving(entry_rows[from_disk])
+            promo = self.tiers.reserve(nbytes, int((~owned).sum())) if len(from_disk) else []
+            # the entries this load promotes first, then the ones it only stages
+            from_disk = np.concatenate([from_disk[~owned], from_disk[owned]])
+            if promo:
+                move = Move(entry_rows[from_disk[:len(promo)]])
+                self._moves.append(move)
+                promoted.append((move, promo, nbytes))
+        if not staging_ok:
+            from_disk = from_disk[:len(promo)]
+        pool = self.host.pool(nbytes)
+        staging = torch.empty((len(from_disk) - len(promo), nbytes), dtype=torch.uint8,
+                              pin_memory=group.transfer.device.type == "cuda")
+        if len(from_disk):
+            bad = self.tiers.read_disk(group.kind, entry_rows[from_disk],
+                                       [pool.view(s) for s in promo] + list(staging))
+            if bad:
+                damaged.extend(bad)
+                return None
+            slots[from_disk[:len(promo)]] = promo
+        at = np.flatnonzero(slots >= 0)
+        parts = [SlabPart(p.slab, p.local, at[p.positions]) for p in pool.parts(slots[at])]
+        if len(staging):
+            parts.append(SlabPart(staging, np.arange(len(staging)), from_disk[len(promo):]))
+        return parts, len(from_disk), staging
