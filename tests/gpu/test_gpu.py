@@ -32,7 +32,7 @@ def test_bytes_round_trip_through_host_and_disk(tmp_path, row_bytes, buffers):
     # a host tier too small for all prompts: the first ones go to disk and come back
     prompts = 6
     entry = row_bytes * buffers
-    host = max(3 * 8 * entry, 8 << 20)
+    host = 3 * 8 * entry + 4 * row_bytes  # three prompts' pages and a few checkpoints
     with running_daemon(tmp_path, "--host-budget", str(host), "--disk-map-size", "4GiB") as (address, _):
         out = finish(worker("roundtrip", address, "1", str(row_bytes), str(buffers), str(prompts)))
         assert out.startswith("ok"), out
