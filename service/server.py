@@ -24,6 +24,7 @@ from service.config import ServiceConfig
 from service.errors import ErrorInterceptor
 from service.servicer import TiercacheServicer
 from service.workers import WorkerRegistry
+from tiercache import failpoints
 from tiercache.engine import Engine
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
@@ -107,6 +108,10 @@ def serve(config: ServiceConfig) -> int:
     # Copies run on the engine's own few threads; torch's OpenMP pool would only spin
     # between them and take CPU from the gRPC threads and the workers next door.
     torch.set_num_threads(1)
+    armed = os.environ.get("TIERCACHE_FAILPOINTS", "")
+    if armed:  # fault-injection drills only (tiercache.failpoints)
+        log.warning("failpoints armed: %s", armed)
+        failpoints.arm_from(armed)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

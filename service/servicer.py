@@ -33,6 +33,17 @@ def _event(handle: bytes, worker: Registration) -> torch.cuda.Event | None:
         raise InvalidArgument(f"ready_event is not a CUDA IPC event handle: {error}") from None
 
 
+# A store copies worker rows only while the worker still waits for the reply: once its
+# deadline passes, it may write those rows again. The daemon's clock for the deadline
+# starts when the call arrives, after the worker's, so it stops this much earlier.
+_DEADLINE_MARGIN = 0.05
+
+
+def _waiting(context: grpc.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return context.is_active() and (remaining is None or remaining > _DEADLINE_MARGIN)
+
+
 class TiercacheServicer(pb_grpc.TiercacheServicer):
     def __init__(self, engine: Engine, registry: WorkerRegistry, max_prompt_pages: int) -> None:
         self.engine = engine
@@ -54,6 +65,16 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             raise InvalidArgument(f"{len(data) // KEY_BYTES} pages exceed the limit of "
                                   f"{self.max_prompt_pages} per request: split the prompt")
         return np.frombuffer(data, "<u8").reshape(-1, 2)
+
+    @staticmethod
+    def _checks(data: bytes, keys: np.ndarray) -> np.ndarray | None:
+        """The checks of a request (8 bytes per key), or None when it sent none."""
+        if not data:
+            return None
+        if len(data) != 8 * len(keys):
+            raise InvalidArgument(f"checks are 8 bytes per key: got {len(data)} bytes for "
+                                  f"{len(keys)} keys")
+        return np.frombuffer(data, "<u8")
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext
                  ) -> Iterator[pb.RegisterResponse]:
@@ -78,17 +99,19 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
 
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
         keys = self._keys(request.keys, context)
+        checks = self._checks(request.checks, keys)
         with self.registry.use(request.worker_id) as worker:
-            match = self.engine.match(worker.layout, keys, prefetch=request.prefetch)
+            match = self.engine.match(worker.layout, keys, prefetch=request.prefetch, checks=checks)
         return pb.MatchResponse(match=match_to_proto(match))
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
         keys = self._keys(request.keys, context)
+        checks = self._checks(request.checks, keys)
         with self.registry.use(request.worker_id) as worker:
             slot = request.slot if request.HasField("slot") else None
             result = self.engine.load(worker.buffers, keys, np.asarray(request.kv_rows, np.int64), slot,
                                       ready=_event(request.ready_event, worker),
-                                      asynchronous=request.asynchronous)
+                                      asynchronous=request.asynchronous, checks=checks)
         return load_to_proto(result)
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
@@ -96,9 +119,14 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         checkpoints = {c.pages: c.slot for c in request.checkpoints}
         if len(checkpoints) != len(request.checkpoints):
             raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
+        checks = self._checks(request.checks, keys)
         with self.registry.use(request.worker_id) as worker:
+            layout = worker.layout
             result = self.engine.store(worker.buffers, keys, np.asarray(request.kv_rows, np.int64),
-                                       checkpoints, ready=_event(request.ready_event, worker))
+                                       checkpoints, ready=_event(request.ready_event, worker),
+                                       checks=checks, alive=lambda: _waiting(context))
+        if request.durable:  # the rows are copied: the registration is not needed any more
+            self.engine.persist(layout, keys, result, timeout=context.time_remaining())
         return store_to_proto(result)
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:

@@ -21,16 +21,18 @@ import lmdb
 import numpy as np
 import xxhash
 
+from tiercache import failpoints
 from tiercache.errors import InvalidArgument, ResourceExhausted
 from tiercache.hashing import PageKey
 from tiercache.index import Kind
 
 GiB = 1 << 30
 
-# magic, kind, format version, depth, payload bytes, checksum, created (ns since epoch)
-_HEADER = struct.Struct("<4sBBxxIQQq")
+# magic, kind, format version, depth, payload bytes, checksum, created (ns since epoch),
+# check (what a match must bring to hit the entry: index.Index.verified)
+_HEADER = struct.Struct("<4sBBxxIQQqQ")
 _MAGIC = b"TCE1"
-_VERSION = 1
+_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class DiskRecord:
     depth: int
     nbytes: int
     created_ns: int
+    check: int = 0
 
 
 class DiskFull(ResourceExhausted):
@@ -68,9 +71,9 @@ def _db_key(kind: Kind, key: bytes) -> bytes:
     return bytes((kind,)) + key
 
 
-def _checksum(kind: Kind, key: bytes, depth: int, payload: object) -> int:
+def _checksum(kind: Kind, key: bytes, depth: int, check: int, payload: object) -> int:
     hasher = xxhash.xxh3_64(_db_key(kind, key))
-    hasher.update(struct.pack("<I", depth))
+    hasher.update(struct.pack("<IQ", depth, check))
     hasher.update(payload)  # type: ignore[arg-type]
     return hasher.intdigest()
 
@@ -85,26 +88,31 @@ class DiskReader:
     def get(self, kind: Kind, key: PageKey) -> memoryview | None:
         """The entry's bytes, or None when missing or damaged (damage is counted)."""
         dkey = _db_key(kind, key)
-        header = self._txn.get(dkey, db=self._tier.meta_db)
-        payload = self._txn.get(dkey, db=self._tier.data_db)
+        failpoints.hit("disk.read")
+        try:
+            header = self._txn.get(dkey, db=self._tier.meta_db)
+            payload = self._txn.get(dkey, db=self._tier.data_db)
+        except lmdb.Error:  # a damaged page on the way to the entry (MDB_CORRUPTED, ...)
+            self._tier.checksum_failures += 1
+            return None
         if header is None or payload is None:
             return None
         record = _parse(kind, key, bytes(header))
         if (record is None or record[1] != len(payload)
-                or record[2] != _checksum(kind, key, record[0], payload)):
+                or record[2] != _checksum(kind, key, record[0], record[4], payload)):
             self._tier.checksum_failures += 1
             return None
         return payload
 
 
-def _parse(kind: Kind, key: bytes, header: bytes) -> tuple[int, int, int, int] | None:
-    """(depth, nbytes, checksum, created_ns), or None for a damaged header."""
+def _parse(kind: Kind, key: bytes, header: bytes) -> tuple[int, int, int, int, int] | None:
+    """(depth, nbytes, checksum, created_ns, check), or None for a damaged header."""
     if len(header) != _HEADER.size:
         return None
-    magic, hkind, version, depth, nbytes, checksum, created = _HEADER.unpack(header)
+    magic, hkind, version, depth, nbytes, checksum, created, check = _HEADER.unpack(header)
     if magic != _MAGIC or hkind != kind or version != _VERSION:
         return None
-    return depth, nbytes, checksum, created
+    return depth, nbytes, checksum, created, check
 
 
 class DiskTier:
@@ -130,25 +138,30 @@ class DiskTier:
     def budget_bytes(self) -> int:
         return self.config.budget_bytes
 
-    def write(self, entries: Sequence[tuple[Kind, PageKey, int, object]]) -> None:
-        """Write (kind, key, depth, payload) entries in one transaction: all or nothing."""
+    def write(self, entries: Sequence[tuple[Kind, PageKey, int, object]],
+              checks: Sequence[int] | None = None) -> None:
+        """Write (kind, key, depth, payload) entries, with their checks (0 if not given), in
+        one transaction: all or nothing."""
         created = time.time_ns()
         added = 0
+        checks = [0] * len(entries) if checks is None else checks
         try:
             with self.env.begin(write=True) as txn:
-                for kind, key, depth, payload in entries:
+                for (kind, key, depth, payload), check in zip(entries, checks, strict=True):
                     view = memoryview(payload).cast("B")  # type: ignore[arg-type]
                     dkey = _db_key(kind, key)
                     header = _HEADER.pack(_MAGIC, kind, _VERSION, depth, view.nbytes,
-                                          _checksum(kind, key, depth, view), created)
+                                          _checksum(kind, key, depth, check, view), created, check)
                     if not txn.put(dkey, header, db=self.meta_db, overwrite=False):
                         continue  # already on disk
                     txn.put(dkey, view, db=self.data_db)
                     added += view.nbytes
+                failpoints.hit("disk.before_commit")  # an exception here aborts the transaction
         except lmdb.MapFullError as error:
             raise DiskFull(f"LMDB map of {self.config.map_size} bytes is full") from error
         with self._counting:
             self.used_bytes += added
+        failpoints.hit("disk.after_commit")
 
     def delete(self, entries: Sequence[tuple[Kind, PageKey]]) -> None:
         self._delete([_db_key(kind, key) for kind, key in entries])
@@ -182,8 +195,8 @@ class DiskTier:
                     self.checksum_failures += 1
                     damaged.append(dkey)
                     continue
-                depth, nbytes, _, created = parsed
-                records.append(DiskRecord(kind, PageKey(dkey[1:]), depth, nbytes, created))
+                depth, nbytes, _, created, check = parsed
+                records.append(DiskRecord(kind, PageKey(dkey[1:]), depth, nbytes, created, check))
         if damaged:
             self._delete(damaged)
         self.used_bytes = sum(r.nbytes for r in records)
