@@ -545,6 +545,7 @@ class Engine:
                                        self.disk.budget_bytes))
             counters = dict(self.counters)
             counters["checksum_failures"] = self.disk.checksum_failures if self.disk else 0
+            counters["disk_moved_aside"] = int(self.disk is not None and self.disk.moved_aside is not None)
             counters["collisions"] = self.index.collisions
             alpha = getattr(self.tiers.policy, "alpha", None)
             return EngineStats(tuple(tiers), counters, alpha)

@@ -15,7 +15,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import lmdb
 import numpy as np
@@ -23,14 +23,17 @@ import xxhash
 
 from tiercache import failpoints
 from tiercache.errors import InvalidArgument, ResourceExhausted
-from tiercache.hashing import PageKey
+from tiercache.hashing import KEY_BYTES, PageKey
 from tiercache.index import Kind
+from tiercache.tiers import recovery
 
 GiB = 1 << 30
 
 # magic, kind, format version, depth, payload bytes, checksum, created (ns since epoch),
-# check (what a match must bring to hit the entry: index.Index.verified)
+# check (what a match must bring to hit the entry: index.Index.verified); then a checksum
+# of the key and all of the above, so that a damaged header is caught by a scan alone
 _HEADER = struct.Struct("<4sBBxxIQQqQ")
+_SEALED = struct.Struct(f"{_HEADER.format}Q")
 _MAGIC = b"TCE1"
 _VERSION = 2
 
@@ -41,6 +44,7 @@ class DiskConfig:
     map_size: int = 16 * GiB
     budget_fraction: float = 0.8  # of map_size for entry bytes; the rest is LMDB's overhead
     sync: bool = True  # fsync on every commit: committed entries survive a power cut
+    check_on_open: bool = True  # survey the environment in a child process first (recovery.py)
 
     def __post_init__(self) -> None:
         if self.map_size < 1 << 20:
@@ -105,34 +109,63 @@ class DiskReader:
         return payload
 
 
+def verify_entry(dkey: bytes, header: bytes, payload: memoryview | None, deep: bool) -> int | None:
+    """The size of a stored entry if its header is sound and its value has that size (and,
+    if `deep`, that checksum); None otherwise."""
+    if len(dkey) != 1 + KEY_BYTES or dkey[0] not in (Kind.PAGE, Kind.CHECKPOINT) or payload is None:
+        return None
+    kind, key = Kind(dkey[0]), dkey[1:]
+    record = _parse(kind, key, header)
+    if record is None or record[1] != len(payload):
+        return None
+    if deep and record[2] != _checksum(kind, key, record[0], record[4], payload):
+        return None
+    return record[1]
+
+
+def _seal(dkey: bytes, fields: bytes) -> bytes:
+    return fields + struct.pack("<Q", xxhash.xxh3_64_intdigest(dkey + fields))
+
+
 def _parse(kind: Kind, key: bytes, header: bytes) -> tuple[int, int, int, int, int] | None:
     """(depth, nbytes, checksum, created_ns, check), or None for a damaged header."""
-    if len(header) != _HEADER.size:
+    if len(header) != _SEALED.size or _seal(_db_key(kind, key), header[:_HEADER.size]) != header:
         return None
-    magic, hkind, version, depth, nbytes, checksum, created, check = _HEADER.unpack(header)
+    magic, hkind, version, depth, nbytes, checksum, created, check = _HEADER.unpack_from(header)
     if magic != _MAGIC or hkind != kind or version != _VERSION:
         return None
     return depth, nbytes, checksum, created, check
 
 
 class DiskTier:
-    def __init__(self, config: DiskConfig, env: lmdb.Environment) -> None:
+    def __init__(self, config: DiskConfig, env: lmdb.Environment, owner: Any = None,
+                 moved_aside: str | None = None) -> None:
         self.config = config
         self.env = env
         self.meta_db = env.open_db(b"meta")
         self.data_db = env.open_db(b"data")
         self.used_bytes = 0
         self.checksum_failures = 0
+        self.moved_aside = moved_aside  # where a damaged environment went at open, if one did
+        self._owner = owner  # the lock that makes this process the environment's only user
         self._counting = threading.Lock()  # writes and deletes may run on different threads
 
     @classmethod
     def open(cls, config: DiskConfig) -> "DiskTier":
-        os.makedirs(config.path, exist_ok=True)
-        # writemap: values are copied once, straight into the file's pages; LMDB still
-        # writes only to free pages, so a crash never damages committed entries.
-        env = lmdb.open(config.path, map_size=config.map_size, max_dbs=2, sync=config.sync,
-                        metasync=config.sync, meminit=False, writemap=True, max_readers=512)
-        return cls(config, env)
+        """Open the environment, checked first and moved aside if damaged (recovery.py)."""
+        os.makedirs(os.path.dirname(os.path.abspath(config.path)), exist_ok=True)
+        owner = recovery.lock(config.path)
+        try:
+            # writemap: values are copied once, straight into the file's pages; LMDB still
+            # writes only to free pages, so a crash never damages committed entries.
+            env, aside = recovery.open_environment(
+                config.path, config.check_on_open, map_size=config.map_size, max_dbs=2,
+                sync=config.sync, metasync=config.sync, meminit=False, writemap=True,
+                max_readers=512)
+        except BaseException:
+            owner.close()
+            raise
+        return cls(config, env, owner, aside)
 
     @property
     def budget_bytes(self) -> int:
@@ -150,8 +183,9 @@ class DiskTier:
                 for (kind, key, depth, payload), check in zip(entries, checks, strict=True):
                     view = memoryview(payload).cast("B")  # type: ignore[arg-type]
                     dkey = _db_key(kind, key)
-                    header = _HEADER.pack(_MAGIC, kind, _VERSION, depth, view.nbytes,
-                                          _checksum(kind, key, depth, check, view), created, check)
+                    header = _seal(dkey, _HEADER.pack(
+                        _MAGIC, kind, _VERSION, depth, view.nbytes,
+                        _checksum(kind, key, depth, check, view), created, check))
                     if not txn.put(dkey, header, db=self.meta_db, overwrite=False):
                         continue  # already on disk
                     txn.put(dkey, view, db=self.data_db)
@@ -205,6 +239,8 @@ class DiskTier:
 
     def close(self) -> None:
         self.env.close()
+        if self._owner is not None:
+            self._owner.close()
 
 
 def as_array(view: memoryview) -> np.ndarray:
