@@ -96,6 +96,11 @@ def _overrides(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     return {k: _coerce(k, v) for k, v in values.items()}
 
 
+# TIERCACHE_* variables that are not settings: the config file's path, fault injection
+# (tiercache.failpoints), and what workers' clients read
+_NOT_SETTINGS = {"TIERCACHE_CONFIG", "TIERCACHE_FAILPOINTS", "TIERCACHE_ADDRESS", "TIERCACHE_TOKEN"}
+
+
 def load(path: str | None = None, environ: Mapping[str, str] = os.environ,
          flags: Mapping[str, Any] | None = None) -> ServiceConfig:
     """Defaults < TOML file < TIERCACHE_* environment < flags."""
@@ -104,7 +109,7 @@ def load(path: str | None = None, environ: Mapping[str, str] = os.environ,
         with open(path, "rb") as f:
             config = dataclasses.replace(config, **_overrides(tomllib.load(f), path))
     env = {k[len("TIERCACHE_"):].lower(): v for k, v in environ.items()
-           if k.startswith("TIERCACHE_") and k != "TIERCACHE_CONFIG"}
+           if k.startswith("TIERCACHE_") and k not in _NOT_SETTINGS}
     config = dataclasses.replace(config, **_overrides(env, "environment"))
     given = {k: v for k, v in (flags or {}).items() if v is not None}
     return dataclasses.replace(config, **_overrides(given, "flags")).check()
