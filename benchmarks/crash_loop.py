@@ -34,6 +34,7 @@ from tests.reliability import keyed, prompts
 from tiercache.client import Client
 from tiercache.errors import TiercacheError
 from tiercache.hashing import Namespace, key_array, page_keys
+from tiercache import tenancy
 from tiercache.tiers import recovery
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,20 +107,22 @@ def worker_keys(prompt: int) -> tuple[bytes, ...]:
     return tuple(page_keys(prompts.tokens(prompt), root, prompts.PAGE))
 
 
-def stored_as(prompt: int) -> list[tuple[bytes, bytes, bytes]]:
+def stored_as(prompt: int, mask: np.ndarray) -> list[tuple[bytes, bytes, bytes]]:
     """(LMDB key: kind byte + the daemon's key, worker key, content kind) of each entry a
-    store of `prompt` writes: its pages and the checkpoint at its end."""
+    store of `prompt` writes: its pages and the checkpoint at its end. The daemon keeps
+    the keys it is sent masked for the tenant (tiercache.tenancy)."""
     keys = worker_keys(prompt)
-    daemon = key_array(list(keys)).tobytes()  # the daemon keeps the keys it is sent
+    daemon = tenancy.masked(key_array(list(keys)), mask).tobytes()
     entries = [(b"\0" + daemon[16 * n:16 * n + 16], key, keyed.PAGE) for n, key in enumerate(keys)]
     return entries + [(b"\1" + daemon[-16:], keys[-1], keyed.CHECKPOINT)]
 
 
-def check_offline(lmdb_path: str, history: History) -> None:
+def check_offline(data_dir: Path, history: History) -> None:
     """With the daemon dead: every entry sound and exact, none unexpected, every durable
     prompt wholly there."""
+    mask = tenancy.tenant_mask(tenancy.load_secret(str(data_dir / "secret")), "")
     table = {dkey: (key, what) for prompt in history.attempted
-             for dkey, key, what in stored_as(prompt)}
+             for dkey, key, what in stored_as(prompt, mask)}
     seen: set[bytes] = set()
     bad = {"wrong": 0, "unexpected": 0}
 
@@ -132,12 +135,12 @@ def check_offline(lmdb_path: str, history: History) -> None:
         worker_key, what = table[dkey]
         bad["wrong"] += not np.array_equal(np.frombuffer(payload, np.uint8),
                                            keyed.content(worker_key, what, len(payload)))
-    found = recovery.survey(lmdb_path, deep=True, visit=visit)
+    found = recovery.survey(str(data_dir / "lmdb"), deep=True, visit=visit)
     history.counts["entries_checked"] += found.entries
     history.counts["wrong"] += bad["wrong"] + found.damaged
     history.counts["unexpected"] += bad["unexpected"]
     for prompt in history.durable:
-        history.counts["lost"] += any(dkey not in seen for dkey, _, _ in stored_as(prompt))
+        history.counts["lost"] += any(dkey not in seen for dkey, _, _ in stored_as(prompt, mask))
 
 
 def check_online(verifier, history: History, rng: np.random.Generator) -> None:
@@ -171,7 +174,9 @@ def cycle(data_dir: Path, journals: list[Path], history: History, rng: np.random
         check_online(verifier, history, rng)
         verifier.close()
     except TiercacheError as error:  # the armed failpoint may kill it during the checks
-        if daemon.poll() is None:
+        try:  # its socket closes a moment before it can be reaped
+            daemon.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             raise RuntimeError(f"the restarted daemon failed a check: {error}") from error
     deadline = time.time() + (4.0 if point else float(rng.uniform(0.3, 2.0)))
     while daemon.poll() is None and time.time() < deadline:
@@ -181,7 +186,7 @@ def cycle(data_dir: Path, journals: list[Path], history: History, rng: np.random
     daemon.send_signal(signal.SIGKILL)
     daemon.wait()
     history.read(journals)
-    check_offline(str(data_dir / "lmdb"), history)
+    check_offline(data_dir, history)
     history.counts["cycles"] += 1
 
 

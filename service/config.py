@@ -11,7 +11,9 @@ import tomllib
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from service import tls
 from tiercache.engine import EngineConfig
+from tiercache.hashing import HASHES
 from tiercache.errors import InvalidArgument
 from tiercache.policy import make_policy
 from tiercache.tiers.device import DeviceConfig
@@ -49,6 +51,16 @@ class ServiceConfig:
     max_prompt_pages: int = 1 << 16  # keys in one request
     grace_seconds: float = 10.0  # for in-flight calls at shutdown
     flush_on_exit: bool = True  # write host entries to disk when stopping
+    # who may call, and how (service/auth.py, service/tls.py, tiercache/tenancy.py)
+    tenants_file: str = ""  # TOML: tenants, their tokens and certificate names ("": one tenant)
+    socket_tenant: str = ""  # the tenant of Unix-socket callers that bring no token
+    require_identity: bool = False  # Unix-socket callers need a token too
+    hash: str = ""  # the page hash every worker must use ("": theirs); blake2b_128 resists attacks
+    max_workers_per_tenant: int = 0  # 0: only max_workers limits a tenant
+    tls_cert: str = ""  # PEM certificate for the TCP port
+    tls_key: str = ""
+    tls_client_ca: str = ""  # PEM CA: TCP clients must present a certificate it signed (mTLS)
+    tcp_insecure: bool = False  # allow plaintext TCP on an address other machines can reach
 
     @property
     def socket_path(self) -> str:
@@ -68,6 +80,11 @@ class ServiceConfig:
                 raise InvalidArgument(f"{name} must be positive, got {getattr(self, name)}")
         self.engine()  # the engine's own checks
         make_policy(self.policy)
+        if self.hash and self.hash not in HASHES:
+            raise InvalidArgument(f"hash {self.hash!r} is unknown: use one of {sorted(HASHES)}")
+        if self.max_workers_per_tenant < 0:
+            raise InvalidArgument("max_workers_per_tenant must be 0 (no limit) or positive")
+        tls.check(self.tcp, self.tls_cert, self.tls_key, self.tls_client_ca, self.tcp_insecure)
         return self
 
 

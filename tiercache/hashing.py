@@ -52,8 +52,13 @@ def narrow_hash_for_tests(bits: int, base: str = "xxh3_128") -> str:
     that tests meet key collisions in a few hundred pages; returns its name. Tests and
     collision drills only: no deployment should name it."""
     name = f"{base}-narrow{bits}-test-only"
-    keep, digest = bits // 8, HASHES[base]
-    HASHES[name] = lambda data: digest(data)[:keep] + bytes(KEY_BYTES - keep)
+    whole, extra, digest = bits // 8, bits % 8, HASHES[base]
+
+    def narrow(data: bytes) -> bytes:
+        full = digest(data)
+        part = bytes([full[whole] & (0xFF00 >> extra) & 0xFF]) if extra else b""
+        return (full[:whole] + part).ljust(KEY_BYTES, b"\0")
+    HASHES[name] = narrow
     return name
 
 
