@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -14,17 +16,22 @@ from typing import Iterator
 @contextmanager
 def spawn(data_dir: str | Path, *flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start `tiercache serve` on a socket in `data_dir`, wait until it listens, yield its
-    address; SIGTERM (orderly stop) at the end."""
+    address; SIGTERM (orderly stop) at the end. Its output is read all along (the last
+    lines kept as `process.said`): a full pipe would block every thread that logs."""
     socket = Path(data_dir) / "tiercache.sock"
     command = [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data_dir),
                "--socket", str(socket), *flags]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert process.stdout is not None
-    first = process.stdout.readline()
-    if "listening" not in first:
+    said = [process.stdout.readline()]
+    while said[-1] and "listening" not in said[-1]:  # warnings may come first
+        said.append(process.stdout.readline())
+    if "listening" not in said[-1]:
         process.kill()
-        raise RuntimeError(f"the daemon did not start: {first}{process.stdout.read()}")
+        raise RuntimeError(f"the daemon did not start: {''.join(said)}{process.stdout.read()}")
+    process.said = collections.deque(said, maxlen=2000)  # type: ignore[attr-defined]
+    threading.Thread(target=process.said.extend, args=(process.stdout,), daemon=True).start()  # type: ignore[attr-defined]
     try:
         yield f"unix:{socket}", process
     finally:

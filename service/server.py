@@ -86,7 +86,6 @@ def start(config: ServiceConfig) -> Daemon:
         options=[("grpc.max_receive_message_length", config.max_message_bytes),
                  ("grpc.max_send_message_length", config.max_message_bytes),
                  ("grpc.so_reuseport", 0),
-                 ("grpc.max_concurrent_streams", calls),  # per connection
                  # a client pinging more than once a minute between calls is sent away
                  # (GOAWAY after two strikes): a ping flood costs the daemon nothing
                  ("grpc.http2.min_recv_ping_interval_without_data_ms", 60_000),

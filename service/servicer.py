@@ -123,7 +123,9 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             keys = worker.engine_keys(keys)
             result = self.engine.load(worker.buffers, keys, np.asarray(request.kv_rows, np.int64), slot,
                                       ready=_event(request.ready_event, worker),
-                                      asynchronous=request.asynchronous, checks=checks)
+                                      # copies into CPU workers are synchronous anyway
+                                      asynchronous=request.asynchronous and
+                                      worker.buffers.device.type == "cuda", checks=checks)
         return load_to_proto(result)
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
