@@ -28,6 +28,11 @@ from tiercache.index import Kind
 from tiercache.tiers import recovery
 
 GiB = 1 << 30
+# LMDB copies every page it changes, deletes included, so a map that is full to the last
+# page cannot even delete to make room: writes stop once live pages pass this share of
+# the map, and the rest stays for the deletes of eviction.
+_HIGH_WATER = 0.75
+_DELETES_PER_COMMIT = 128
 
 # magic, kind, format version, depth, payload bytes, checksum, created (ns since epoch),
 # check (what a match must bring to hit the entry: index.Index.verified); then a checksum
@@ -149,6 +154,7 @@ class DiskTier:
         self.moved_aside = moved_aside  # where a damaged environment went at open, if one did
         self._owner = owner  # the lock that makes this process the environment's only user
         self._counting = threading.Lock()  # writes and deletes may run on different threads
+        self._page_limit = int(config.map_size * _HIGH_WATER) // env.stat()["psize"]
 
     @classmethod
     def open(cls, config: DiskConfig) -> "DiskTier":
@@ -190,6 +196,9 @@ class DiskTier:
                         continue  # already on disk
                     txn.put(dkey, view, db=self.data_db)
                     added += view.nbytes
+                if self._pages(txn) > self._page_limit:
+                    raise DiskFull(f"LMDB map of {self.config.map_size} bytes is {_HIGH_WATER:.0%} "
+                                   "full: the rest is kept for deletes")
                 failpoints.hit("disk.before_commit")  # an exception here aborts the transaction
         except lmdb.MapFullError as error:
             raise DiskFull(f"LMDB map of {self.config.map_size} bytes is full") from error
@@ -197,10 +206,34 @@ class DiskTier:
             self.used_bytes += added
         failpoints.hit("disk.after_commit")
 
+    def _pages(self, txn: lmdb.Transaction) -> int:
+        """Pages holding entries (as this transaction sees them; free pages not counted)."""
+        return sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
+                   for s in (txn.stat(self.meta_db), txn.stat(self.data_db)))
+
     def delete(self, entries: Sequence[tuple[Kind, PageKey]]) -> None:
         self._delete([_db_key(kind, key) for kind, key in entries])
 
     def _delete(self, dkeys: Sequence[bytes]) -> None:
+        """Delete entries in small transactions: a delete copies every page it changes, so
+        one transaction deleting many entries needs about as many free pages as they fill,
+        which a nearly full map does not have. A transaction that runs out is redone in
+        halves."""
+        start, chunk = 0, _DELETES_PER_COMMIT
+        while start < len(dkeys):
+            try:
+                removed = self._delete_some(dkeys[start:start + chunk])
+            except lmdb.MapFullError as error:
+                if chunk == 1:  # readers hold the free pages even one delete needs
+                    raise DiskFull(f"LMDB map of {self.config.map_size} bytes is too full to "
+                                   "delete in: retry when reads have finished") from error
+                chunk //= 2
+                continue
+            start += chunk
+            with self._counting:
+                self.used_bytes -= removed
+
+    def _delete_some(self, dkeys: Sequence[bytes]) -> int:
         removed = 0
         with self.env.begin(write=True) as txn:
             for dkey in dkeys:
@@ -209,8 +242,7 @@ class DiskTier:
                     removed += len(payload)
                     txn.delete(dkey, db=self.data_db)
                 txn.delete(dkey, db=self.meta_db)
-        with self._counting:
-            self.used_bytes -= removed
+        return removed
 
     @contextmanager
     def reader(self) -> Iterator[DiskReader]:
