@@ -5,7 +5,9 @@ without pause, half of them durable, and journal what was acknowledged. Each cyc
 daemon is SIGKILLed: at a random time, or by itself at an armed failpoint (inside an
 LMDB commit, between copying and publishing, ...). Then, with the daemon dead, the LMDB
 environment is surveyed (every checksum, every byte against its key), the daemon is
-restarted and prompts are loaded through it. A cycle fails if:
+restarted and prompts are loaded through it. Each daemon life, the workers draw from a
+window of prompt ids that has moved on, so stores keep writing entries never written
+before (and the failpoints in the write path keep firing). A cycle fails if:
   - the environment does not open, or the daemon had to move it aside;
   - a prompt whose durable store was acknowledged is not wholly on disk, or loads short;
   - any entry on disk or any loaded byte differs from what its key stands for;
@@ -27,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import lmdb
 import numpy as np
 
 from benchmarks.common import print_summary, print_table
@@ -35,13 +38,15 @@ from tiercache.client import Client
 from tiercache.errors import TiercacheError
 from tiercache.hashing import Namespace, key_array, page_keys
 from tiercache import tenancy
-from tiercache.tiers import recovery
+from tiercache.tiers.disk import verify_entry
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL_POINTS = {"store.before_gather": 0.05, "store.before_publish": 0.05,
                "disk.before_commit": 0.2, "disk.after_commit": 0.2}
-UNIVERSE = 4000  # prompt ids the workers draw from; ids past it are never stored
-FLAGS = ("--host-budget", "1MiB", "--disk-map-size", "128MiB", "--grace-seconds", "1")
+WINDOW = 2000  # prompt ids a worker draws from in one daemon life (the window moves on)
+NEVER = 10**9  # prompt ids from here on are never stored
+DEEP_SAMPLE = 300  # older prompts whose every byte is checked again each cycle
+FLAGS = ("--host-budget", "1MiB", "--disk-map-size", "2GiB", "--grace-seconds", "1")
 
 
 @dataclass
@@ -49,13 +54,15 @@ class History:
     """What the workers' journals say so far, and what the checks found."""
 
     attempted: set[int] = field(default_factory=set)
+    recent: set[int] = field(default_factory=set)  # attempted since the last offline check
     durable: set[int] = field(default_factory=set)  # a durable store was acknowledged
+    known: set[bytes] = field(default_factory=set)  # LMDB keys of every attempted prompt
     acks: int = 0
     offsets: dict[str, int] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ["cycles", "killed_at_random", "killed_at_failpoint", "durable_acks", "plain_acks",
-         "entries_checked", "prompts_loaded", "worker_loads", "lost", "wrong", "unexpected",
-         "env_failures"], 0))
+         "entries_on_disk", "entries_checked", "prompts_loaded", "worker_loads", "lost",
+         "wrong", "unexpected", "env_failures"], 0))
 
     def read(self, journals: list[Path]) -> None:
         """Take in the journal lines written since the last call (whole lines only)."""
@@ -72,6 +79,7 @@ class History:
         kind, prompt = words[0], int(words[1])
         if kind == "A":
             self.attempted.add(prompt)
+            self.recent.add(prompt)
         elif kind == "K":
             durable = words[2] == "1"
             self.counts["durable_acks" if durable else "plain_acks"] += 1
@@ -117,30 +125,46 @@ def stored_as(prompt: int, mask: np.ndarray) -> list[tuple[bytes, bytes, bytes]]
     return entries + [(b"\1" + daemon[-16:], keys[-1], keyed.CHECKPOINT)]
 
 
-def check_offline(data_dir: Path, history: History) -> None:
-    """With the daemon dead: every entry sound and exact, none unexpected, every durable
-    prompt wholly there."""
+def check_offline(data_dir: Path, history: History, rng: np.random.Generator) -> None:
+    """With the daemon dead, straight from LMDB: no entry of a prompt nobody stored; every
+    prompt whose durable store was acknowledged wholly there, headers sound, sizes right;
+    the prompts stored since the last check (and a sample of older ones) checksummed and
+    compared byte for byte with their keys' content."""
     mask = tenancy.tenant_mask(tenancy.load_secret(str(data_dir / "secret")), "")
-    table = {dkey: (key, what) for prompt in history.attempted
-             for dkey, key, what in stored_as(prompt, mask)}
-    seen: set[bytes] = set()
-    bad = {"wrong": 0, "unexpected": 0}
+    for prompt in history.recent:
+        history.known.update(dkey for dkey, _, _ in stored_as(prompt, mask))
+    older = sorted(history.attempted - history.recent)
+    deep = history.recent | set(rng.permutation(older)[:DEEP_SAMPLE].tolist())
+    env = lmdb.open(str(data_dir / "lmdb"), readonly=True, lock=False, max_dbs=2)
+    try:
+        meta, data = env.open_db(b"meta", create=False), env.open_db(b"data", create=False)
+        with env.begin(buffers=True) as txn:
+            for dkey in txn.cursor(db=meta).iternext(keys=True, values=False):
+                history.counts["entries_on_disk"] += 1
+                history.counts["unexpected"] += bytes(dkey) not in history.known
+            for prompt in history.durable | deep:
+                missing = _check_prompt(txn, meta, data, stored_as(prompt, mask), history,
+                                        prompt in deep)
+                history.counts["lost"] += missing and prompt in history.durable
+    finally:
+        env.close()
+    history.recent = set()
 
-    def visit(kind: int, key: bytes, payload: memoryview) -> None:
-        dkey = bytes([kind]) + key
-        seen.add(dkey)
-        if dkey not in table:
-            bad["unexpected"] += 1
-            return
-        worker_key, what = table[dkey]
-        bad["wrong"] += not np.array_equal(np.frombuffer(payload, np.uint8),
-                                           keyed.content(worker_key, what, len(payload)))
-    found = recovery.survey(str(data_dir / "lmdb"), deep=True, visit=visit)
-    history.counts["entries_checked"] += found.entries
-    history.counts["wrong"] += bad["wrong"] + found.damaged
-    history.counts["unexpected"] += bad["unexpected"]
-    for prompt in history.durable:
-        history.counts["lost"] += any(dkey not in seen for dkey, _, _ in stored_as(prompt, mask))
+
+def _check_prompt(txn, meta, data, entries, history: History, deep: bool) -> bool:
+    """Whether an entry of the prompt is missing; wrong entries are counted."""
+    missing = False
+    for dkey, key, what in entries:
+        header, payload = txn.get(dkey, db=meta), txn.get(dkey, db=data)
+        if header is None:
+            missing = True
+            continue
+        history.counts["entries_checked"] += deep
+        sound = verify_entry(dkey, bytes(header), payload, deep) is not None
+        exact = not deep or (sound and np.array_equal(
+            np.frombuffer(payload, np.uint8), keyed.content(key, what, len(payload))))
+        history.counts["wrong"] += not (sound and exact)
+    return missing
 
 
 def check_online(verifier, history: History, rng: np.random.Generator) -> None:
@@ -151,7 +175,7 @@ def check_online(verifier, history: History, rng: np.random.Generator) -> None:
     durable, other = sorted(history.durable), sorted(history.attempted - history.durable)
     picks = [(p, True) for p in rng.permutation(durable)[:30].tolist()]
     picks += [(p, False) for p in rng.permutation(other)[:10].tolist()]
-    picks += [(UNIVERSE + int(p), False) for p in rng.integers(0, 10**6, 5)]
+    picks += [(NEVER + int(p), False) for p in rng.integers(0, 10**6, 5)]
     for prompt, must_hit in picks:
         tokens = prompts.tokens(prompt)
         keyed.poison(paged), keyed.poison(slots)
@@ -160,13 +184,30 @@ def check_online(verifier, history: History, rng: np.random.Generator) -> None:
         history.counts["wrong"] += keyed.wrong_entries(paged, slots, verifier.keys(tokens), rows,
                                                        pages, 2) > 0
         history.counts["lost"] += must_hit and pages != prompts.PAGES
-        history.counts["unexpected"] += prompt >= UNIVERSE and pages > 0
+        history.counts["unexpected"] += prompt >= NEVER and pages > 0
 
 
 def cycle(data_dir: Path, journals: list[Path], history: History, rng: np.random.Generator) -> None:
     point = str(rng.choice(sorted(KILL_POINTS))) if rng.random() < 0.4 else ""
     armed = f"{point}=kill({KILL_POINTS[point]})" if point else ""
     daemon, address = start_daemon(data_dir, data_dir / "daemon.log", armed)
+    try:
+        check_restarted(daemon, address, history, rng)
+        deadline = time.time() + (4.0 if point else float(rng.uniform(0.3, 2.0)))
+        while daemon.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        by_itself = daemon.poll() is not None
+        history.counts["killed_at_failpoint" if by_itself else "killed_at_random"] += 1
+    finally:
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait()
+    history.read(journals)
+    check_offline(data_dir, history, rng)
+    history.counts["cycles"] += 1
+
+
+def check_restarted(daemon: subprocess.Popen, address: str, history: History,
+                    rng: np.random.Generator) -> None:
     try:
         client = Client(address, timeout=10)
         history.counts["env_failures"] += client.stats().counters["disk_moved_aside"]
@@ -178,16 +219,6 @@ def cycle(data_dir: Path, journals: list[Path], history: History, rng: np.random
             daemon.wait(timeout=5)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"the restarted daemon failed a check: {error}") from error
-    deadline = time.time() + (4.0 if point else float(rng.uniform(0.3, 2.0)))
-    while daemon.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    by_itself = daemon.poll() is not None
-    history.counts["killed_at_failpoint" if by_itself else "killed_at_random"] += 1
-    daemon.send_signal(signal.SIGKILL)
-    daemon.wait()
-    history.read(journals)
-    check_offline(data_dir, history)
-    history.counts["cycles"] += 1
 
 
 def run(cycles: int, workers: int = 2, seed: int = 0, data_dir: Path | None = None,
@@ -199,7 +230,7 @@ def run(cycles: int, workers: int = 2, seed: int = 0, data_dir: Path | None = No
         journals = [data_dir / f"journal-{n}.txt" for n in range(workers)]
         address = f"unix:{data_dir / 'tiercache.sock'}"
         children = [subprocess.Popen([sys.executable, "-m", "tests.reliability.crash_worker", address,
-                                      str(journal), str(seed * 100 + n), str(UNIVERSE)], cwd=ROOT)
+                                      str(journal), str(seed * 100 + n), str(WINDOW)], cwd=ROOT)
                     for n, journal in enumerate(journals)]
         history = History()
         try:

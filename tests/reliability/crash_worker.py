@@ -1,11 +1,12 @@
 """A worker that stores and loads through daemon crashes, keeping a journal of what the
 daemon acknowledged.
 
-    python -m tests.reliability.crash_worker ADDRESS JOURNAL SEED PROMPTS
+    python -m tests.reliability.crash_worker ADDRESS JOURNAL SEED WINDOW
 
 Forever (until killed): register (again, whenever the daemon went away), then store
-random prompts of the universe `prompts.tokens(0 .. PROMPTS-1)`, half of them durable,
-and now and then load one and check its bytes. Journal lines, flushed one by one:
+random prompts, half of them durable, and now and then load one and check its bytes.
+Registration n draws prompt ids from [n * WINDOW // 20, that + WINDOW): each daemon life
+brings prompts never stored before, so stores keep writing new entries. Journal lines, flushed one by one:
 `A P D` before a store of prompt P (D = 1 if durable), `K P D` once acknowledged,
 `W P` if a load brought a wrong byte, `L P N` after an exact load of N pages.
 """
@@ -22,13 +23,15 @@ from tiercache.client import Client
 from tiercache.errors import TiercacheError
 
 
-def session(address: str, journal, rng: np.random.Generator, universe: int) -> None:
-    """One registration's worth of work; returns (or raises) when the daemon is gone."""
+def session(address: str, journal, rng: np.random.Generator, lives: list[int], window: int) -> None:
+    """One registration's worth of work; raises when the daemon is gone."""
     worker = Client(address, timeout=10).register(prompts.MODEL, prompts.LAYOUT)
+    base = lives[0] * (window // 20)
+    lives[0] += 1
     paged, slots = keyed.byte_rows(worker.paged), keyed.byte_rows(worker.slots)
     try:
         while True:
-            prompt = int(rng.integers(universe))
+            prompt = base + int(rng.integers(window))
             tokens = prompts.tokens(prompt)
             if rng.random() < 0.25:  # a load into other rows, checked byte for byte
                 keyed.poison(paged), keyed.poison(slots)
@@ -49,12 +52,13 @@ def session(address: str, journal, rng: np.random.Generator, universe: int) -> N
         worker.close()
 
 
-def main(address: str, path: str, seed: int, universe: int) -> None:
+def main(address: str, path: str, seed: int, window: int) -> None:
     rng = np.random.default_rng(seed)
+    lives = [0]  # registrations that succeeded
     with open(path, "a", buffering=1) as journal:
         while True:
             try:
-                session(address, journal, rng, universe)
+                session(address, journal, rng, lives, window)
             except TiercacheError:
                 time.sleep(0.05)  # the daemon is down or restarting: try again
 
