@@ -10,6 +10,7 @@ and `write`, which touch pinned entries only and take the lock to make room.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 
 from tiercache.hashing import key_list
 from tiercache.index import Index, Kind, Tier
+from tiercache.metrics import Traffic
 from tiercache.policy import EvictionPolicy, FlopAware
 from tiercache.tiers.arena import SlotArena
 from tiercache.tiers.disk import DiskFull, DiskTier, as_array
@@ -37,7 +39,8 @@ class DiskBatch:
 class Tiering:
     def __init__(self, index: Index, host: SlotArena, disk: DiskTier | None,
                  policy: EvictionPolicy, counters: dict[str, int], evict_slack: float,
-                 lock: threading.RLock, tuner: AlphaTuner | None = None) -> None:
+                 lock: threading.RLock, tuner: AlphaTuner | None = None,
+                 traffic: Traffic | None = None) -> None:
         self.index = index
         self.host = host
         self.disk = disk
@@ -46,12 +49,14 @@ class Tiering:
         self.evict_slack = evict_slack
         self.lock = lock
         self.tuner = tuner
+        self.traffic = traffic or Traffic()
         self.writing_bytes = 0  # disk room promised to batches being written
 
     def read_disk(self, kind: Kind, rows: np.ndarray, targets: list[torch.Tensor]) -> list[int]:
         """Copy verified disk entries into `targets`; returns the rows found damaged."""
         assert self.disk is not None, "an entry in no memory tier must be on disk"
-        damaged = []
+        damaged, nbytes = [], 0
+        start = time.perf_counter()
         with self.disk.reader() as reader:
             for row, key, target in zip(rows.tolist(), key_list(self.index.keys(rows)), targets):
                 view = reader.get(kind, key)
@@ -59,6 +64,9 @@ class Tiering:
                     damaged.append(row)
                 else:
                     target.numpy()[:] = as_array(view)
+                    nbytes += target.numel() * target.element_size()
+        if len(rows):
+            self.traffic.record("disk", "host", nbytes, time.perf_counter() - start)
         return damaged
 
     def reserve(self, nbytes: int, count: int) -> list[int]:
@@ -148,7 +156,8 @@ class Tiering:
         assert self.disk is not None
         for _ in range(_DISK_RETRIES):
             try:
-                self.disk.write(batch.entries)
+                with self.traffic.timed("host", "disk", batch.nbytes):
+                    self.disk.write(batch.entries)
                 return True
             except DiskFull:  # LMDB's own overhead beyond the budget: make more room, retry
                 with self.lock:
@@ -173,3 +182,4 @@ class Tiering:
             inside = rows[self.index.in_tier(rows, tier)]
             if len(inside):
                 self.remove(inside, tier)
+                self.counters[f"evicted_{tier.name.lower()}_damaged"] += len(inside)
