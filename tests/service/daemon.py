@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -16,3 +18,15 @@ def running_daemon(data_dir: Path, *flags: str) -> Iterator:
     with spawn(data_dir, "--host-budget", "64MiB", "--disk-map-size", "256MiB",
                "--grace-seconds", "2", *flags) as daemon:
         yield daemon
+
+
+def metrics_url(process) -> str:
+    """Where the daemon serves metrics, from the line it printed when it began listening."""
+    found = re.search(r"http://[^\s\"';]+/metrics", process.startup_line)
+    assert found, f"no metrics address in {process.startup_line!r}"
+    return found.group(0)
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return reply.read().decode()
