@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import pytest
+
 from service.process import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
+# promtool comes with Debian's prometheus package, which .ci/run installs: CI never skips
+needs_promtool = pytest.mark.skipif(
+    shutil.which("promtool") is None and not os.environ.get("CI"),
+    reason="promtool is not installed here (apt-get install prometheus; .ci/run does)")
 
 
 @contextmanager

@@ -4,7 +4,6 @@ carries anything a client chose."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import grpc
@@ -12,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.metrics import METRICS, PREFIX, TIERS
-from tests.service.daemon import metrics_url, running_daemon, scrape
+from tests.service.daemon import metrics_url, needs_promtool, running_daemon, scrape
 from tests.service.worker_process import LAYOUT, prompt
 from tiercache.client import Client
 from tiercache.metrics import PLACES
@@ -133,8 +132,7 @@ def test_labels_carry_only_names_the_daemon_chose(daemon):
                 assert sample.labels[name] in allowed[name], sample
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None,
-                    reason="promtool is not installed here (Debian's prometheus package; .ci/run installs it)")
+@needs_promtool
 def test_promtool_accepts_the_endpoint(daemon):
     address, url = daemon
     worker = Client(address).register("test-model", LAYOUT)  # so histograms have samples
