@@ -10,7 +10,7 @@ methods, status codes, tiers and reasons only: never a tenant, a key or a prompt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
@@ -107,10 +107,10 @@ _LABELLED = {
     "evictions": {**{(t, "capacity"): f"evicted_{t}" for t in TIERS},
                   **{(t, "request"): f"evicted_{t}_by_request" for t in TIERS},
                   **{(t, "damaged"): f"evicted_{t}_damaged" for t in TIERS}},
-    "admissions": {(kind, outcome): f"{counter}_{kind}s" for kind in ("page", "checkpoint")
-                   for outcome, counter in (("stored", "stored"), ("no_room", "skipped"),
-                                            ("declined", "declined"))
-                   if (kind, outcome) != ("page", "declined")},
+    "admissions": {("page", "stored"): "stored_pages", ("page", "no_room"): "skipped_pages",
+                   ("checkpoint", "stored"): "stored_checkpoints",
+                   ("checkpoint", "declined"): "declined_checkpoints",
+                   ("checkpoint", "no_room"): "skipped_checkpoints"},
 }
 
 
@@ -192,10 +192,18 @@ class CallMetrics:
         self.latency = Histogram(latency.full_name, latency.help, latency.labels,
                                  registry=registry, buckets=CALL_BUCKETS)
 
+        self._children: dict[tuple, Any] = {}  # labels() takes a lock: look each up once
+
     def observe(self, service: str, method: str, code: str, seconds: float, unary: bool) -> None:
-        self.calls.labels(service, method, code).inc()
+        calls = self._children.get((service, method, code))
+        if calls is None:
+            calls = self._children[(service, method, code)] = self.calls.labels(service, method, code)
+        calls.inc()
         if unary:  # a stream (Register, health Watch) lasts as long as its client: no latency
-            self.latency.labels(service, method).observe(seconds)
+            latency = self._children.get((service, method))
+            if latency is None:
+                latency = self._children[(service, method)] = self.latency.labels(service, method)
+            latency.observe(seconds)
 
 
 def registry_for(engine: Engine, workers: Callable[[], int],

@@ -78,28 +78,31 @@ def byte_counters(traffic: dict[tuple[str, str], HopStats]) -> dict[str, int]:
     return {f"bytes_{a}_to_{b}": stats.bytes for (a, b), stats in traffic.items()}
 
 
+# per tier: (its code, and its matched pages, tokens and checkpoints counters)
+_NAMES = tuple((int(t), f"matched_pages_{t.name.lower()}", f"matched_tokens_{t.name.lower()}",
+                f"matched_checkpoints_{t.name.lower()}") for t in Tier)
+_TIER_INDEX = {code: i for i, (code, *_) in enumerate(_NAMES)}
+_CODES = max(_TIER_INDEX) + 1
+
+
 def count_match(counters: MutableMapping[str, int], match: Match, page_tokens: int) -> None:
     """Add a match to the counters: pages asked for, and matched pages, tokens and
     checkpoints by the tier they were found in (a page's best tier). A layout without
     paged buffers credits its tokens to the checkpoint's tier."""
     counters["requested_pages"] += match.prompt_pages
     if match.tier_codes:  # one pass over the codes: prompts run to thousands of pages
-        found = np.bincount(np.frombuffer(match.tier_codes, np.uint8), minlength=max(Tier) + 1)
-        for tier in Tier:
-            name = tier.name.lower()
-            counters[f"matched_pages_{name}"] += int(found[tier])
-            counters[f"matched_tokens_{name}"] += int(found[tier]) * page_tokens
+        found = np.bincount(np.frombuffer(match.tier_codes, np.uint8), minlength=_CODES).tolist()
+        for code, pages, tokens, _ in _NAMES:
+            if found[code]:
+                counters[pages] += found[code]
+                counters[tokens] += found[code] * page_tokens
     if match.checkpoint_tier is not None and match.pages:
-        name = Tier(match.checkpoint_tier).name.lower()
-        counters[f"matched_checkpoints_{name}"] += 1
+        _, _, tokens, checkpoints = _NAMES[_TIER_INDEX[int(match.checkpoint_tier)]]
+        counters[checkpoints] += 1
         if not match.tier_codes:
-            counters[f"matched_tokens_{name}"] += match.tokens
+            counters[tokens] += match.tokens
 
 
 def match_counters() -> dict[str, int]:
     """The counters `count_match` adds to, at zero."""
-    names = ["requested_pages"]
-    for tier in Tier:
-        what = tier.name.lower()
-        names += [f"matched_pages_{what}", f"matched_tokens_{what}", f"matched_checkpoints_{what}"]
-    return dict.fromkeys(names, 0)
+    return dict.fromkeys(["requested_pages", *(name for _, *names in _NAMES for name in names)], 0)
