@@ -76,7 +76,7 @@ def render(address: str, stats: CacheStats, since: tuple[float, CacheStats] | No
               f"stored      pages {c.get('stored_pages', 0):,}  checkpoints "
               f"{c.get('stored_checkpoints', 0):,}  declined {c.get('declined_checkpoints', 0):,}"
               f"  no room {c.get('skipped_pages', 0) + c.get('skipped_checkpoints', 0):,}",
-              "evicted     " + "  ".join(_evicted(c, t.name.lower()) for t in (Tier.HOST, Tier.DISK)),
+              "evicted     " + "  ".join(_evicted(c, t.tier.name.lower()) for t in stats.tiers),
               f"tiering     disk writes {c.get('disk_writes', 0):,}  demoted {c.get('demoted', 0):,}  "
               f"promoted {c.get('promoted', 0):,}  checksum failures {c.get('checksum_failures', 0):,}",
               "moved       " + "  ".join(f"{a}->{b} {size(c.get(f'bytes_{a}_to_{b}', 0))}"
