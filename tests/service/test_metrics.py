@@ -121,7 +121,9 @@ def test_labels_carry_only_names_the_daemon_chose(daemon):
                "reason": {"capacity", "request", "damaged"},
                "kind": {"page", "checkpoint"}, "outcome": {"stored", "declined", "no_room"}}
     declared = {m.full_name: m for m in METRICS.values()}
-    for family in text_string_to_metric_families(scrape(url)):
+    text = scrape(url)
+    assert not any(chosen in text for chosen in ("acme", "secret-model", "lora-42", "test-model"))
+    for family in text_string_to_metric_families(text):
         if not family.name.startswith(PREFIX):
             continue
         assert family.name in declared, f"{family.name} is not declared in service.metrics.METRICS"
