@@ -61,6 +61,12 @@ class ServiceConfig:
     tls_key: str = ""
     tls_client_ca: str = ""  # PEM CA: TCP clients must present a certificate it signed (mTLS)
     tcp_insecure: bool = False  # allow plaintext TCP on an address other machines can reach
+    # operations: metrics, probes, logs (README: Operations)
+    metrics_address: str = "127.0.0.1:9477"  # Prometheus /metrics; "" = off, port 0 = any free
+    health_address: str = ""  # host:port serving gRPC health only, for Kubernetes probes
+    drain_seconds: float = 0.0  # NOT_SERVING but still answering, this long after SIGTERM
+    log_format: str = "text"  # text or json (one object a line)
+    log_level: str = "info"
 
     @property
     def socket_path(self) -> str:
@@ -85,7 +91,27 @@ class ServiceConfig:
         if self.max_workers_per_tenant < 0:
             raise InvalidArgument("max_workers_per_tenant must be 0 (no limit) or positive")
         tls.check(self.tcp, self.tls_cert, self.tls_key, self.tls_client_ca, self.tcp_insecure)
+        self._check_operations()
         return self
+
+    def _check_operations(self) -> None:
+        for name in ("metrics_address", "health_address"):
+            if getattr(self, name):
+                host_port(getattr(self, name), name)
+        if self.drain_seconds < 0:
+            raise InvalidArgument(f"drain_seconds must be 0 or more, got {self.drain_seconds}")
+        if self.log_format not in ("text", "json"):
+            raise InvalidArgument(f"log_format={self.log_format!r}: use text or json")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise InvalidArgument(f"log_level={self.log_level!r}: use debug, info, warning or error")
+
+
+def host_port(address: str, setting: str) -> tuple[str, int]:
+    """"127.0.0.1:9477", "[::1]:9477", "0.0.0.0:0" -> (host, port)."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or int(port) > 65535:
+        raise InvalidArgument(f"{setting}={address!r} is not host:port: write e.g. 127.0.0.1:9477")
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 _SIZES = {"host_budget", "device_budget", "disk_map_size", "max_message_bytes"}

@@ -14,13 +14,16 @@ from typing import Iterator
 
 
 @contextmanager
-def spawn(data_dir: str | Path, *flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
+def spawn(data_dir: str | Path, *flags: str, drain: bool = False) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start `tiercache serve` on a socket in `data_dir`, wait until it listens, yield its
-    address; SIGTERM (orderly stop) at the end. Its output is read all along (the last
-    lines kept as `process.said`): a full pipe would block every thread that logs."""
+    address; SIGTERM (orderly stop) at the end. Metrics go to a free port (several
+    daemons may run at once); `process.startup_line` is the line that says where. With
+    `drain`, its output is read all along (the last lines kept as `process.said`): for
+    callers that do not read it themselves and expect much of it, as a full pipe blocks
+    every thread of the daemon that logs."""
     socket = Path(data_dir) / "tiercache.sock"
     command = [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data_dir),
-               "--socket", str(socket), *flags]
+               "--socket", str(socket), "--metrics-address", "127.0.0.1:0", *flags]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert process.stdout is not None
@@ -30,8 +33,10 @@ def spawn(data_dir: str | Path, *flags: str) -> Iterator[tuple[str, subprocess.P
     if "listening" not in said[-1]:
         process.kill()
         raise RuntimeError(f"the daemon did not start: {''.join(said)}{process.stdout.read()}")
-    process.said = collections.deque(said, maxlen=2000)  # type: ignore[attr-defined]
-    threading.Thread(target=process.said.extend, args=(process.stdout,), daemon=True).start()  # type: ignore[attr-defined]
+    process.startup_line = said[-1]  # type: ignore[attr-defined]
+    if drain:
+        process.said = collections.deque(said, maxlen=2000)  # type: ignore[attr-defined]
+        threading.Thread(target=process.said.extend, args=(process.stdout,), daemon=True).start()  # type: ignore[attr-defined]
     try:
         yield f"unix:{socket}", process
     finally:
