@@ -90,6 +90,7 @@ class Backend(Protocol):
     def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
               durable: bool) -> StoreResult: ...
     def evict(self, prompt: Request, tier: Tier | None) -> int: ...
+    def connected(self) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -141,6 +142,12 @@ class Worker:
 
     def evict(self, tokens: Any = None, *, keys: Keys | None = None, tier: Tier | None = None) -> int:
         return self._backend.evict(self._packed(tokens, keys), tier)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the registration still stands. A daemon that went away cannot finish
+        asynchronous loads that already replied: if this turns False, recompute them."""
+        return self._backend.connected()
 
     def close(self) -> None:
         self._backend.close()
@@ -209,6 +216,9 @@ class _Remote:
     def evict(self, prompt: Request, tier: Tier | None) -> int:
         request = pb.EvictRequest(worker_id=self._id, keys=prompt.keys, tier=int(tier or 0))
         return _rpc(lambda: self._stub.Evict(request, **self._call)).evicted
+
+    def connected(self) -> bool:
+        return not self._stream.done()  # the registration stream ends with the daemon
 
     def close(self) -> None:
         self._stream.cancel()  # ends the registration: the daemon unmaps the buffers
@@ -322,6 +332,9 @@ class _Embedded:
 
     def evict(self, prompt: Request, tier: Tier | None) -> int:
         return self._engine.evict(prompt.keys, tier)
+
+    def connected(self) -> bool:
+        return True
 
     def close(self) -> None:
         pass
