@@ -16,11 +16,13 @@ from contextlib import ExitStack
 import numpy as np
 import pytest
 
-from tests.reliability import keyed
+from tests.reliability import keyed, prompts
+from tests.service.daemon import running_daemon
 from tests.tiercache.helpers import hybrid_layout, prompt_keys, random_buffers
 from tiercache import failpoints
+from tiercache.client import Client
 from tiercache.engine import Engine, EngineConfig
-from tiercache.errors import ResourceExhausted
+from tiercache.errors import DeadlineExceeded, ResourceExhausted
 from tiercache.failpoints import InjectedFault
 from tiercache.index import Tier
 from tiercache.policy import PolicyConfig, WriteConfig
@@ -238,3 +240,22 @@ def test_two_loads_promoting_at_once_both_finish(tmp_path):
     assert not first.is_alive()
     assert not engine.index.column("pins", engine.index.rows_in(Tier.DISK)).any()
     engine.close()
+
+
+def test_a_store_whose_caller_stopped_waiting_publishes_nothing(tmp_path, monkeypatch):
+    # a worker whose store passed its deadline may write its rows again at once: the
+    # daemon, still about to copy them, must not publish what it then reads
+    monkeypatch.setenv("TIERCACHE_FAILPOINTS", "store.before_gather=sleep(0.6)")
+    with running_daemon(tmp_path, "--no-disk") as (address, _):
+        worker = Client(address, timeout=0.2).register(prompts.MODEL, prompts.LAYOUT)
+        paged, slots = keyed.byte_rows(worker.paged), keyed.byte_rows(worker.slots)
+        tokens = prompts.tokens(7)
+        keyed.fill(paged, slots, worker.keys(tokens), list(range(prompts.PAGES)), 0)
+        with pytest.raises(DeadlineExceeded):
+            worker.store(tokens, kv_rows=range(prompts.PAGES),
+                         checkpoints={prompts.PAGES * prompts.PAGE: 0})
+        keyed.poison(paged), keyed.poison(slots)  # the worker reuses its rows at once
+        time.sleep(1.5)  # the daemon wakes, copies the rows, finds the caller gone
+        patient = Client(address, timeout=10).register(prompts.MODEL, prompts.LAYOUT)
+        assert patient.match(tokens).pages == 0
+        worker.close(), patient.close()
