@@ -23,11 +23,10 @@ cache's own tensors; each linear-attention state gives one slot buffer,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
-from tiercache.buffers import WorkerBuffers
 from tiercache.errors import InvalidArgument
 from tiercache.layout import BufferSpec, Layout
 
@@ -151,18 +150,18 @@ def _one_sequence(tensor: torch.Tensor, where: str) -> torch.Tensor:
 
 
 class Staging:
-    """The adapter's own rows, bound as the engine's worker buffers: KV pages of one
-    sequence (row p = page p+1, so a load and later stores of the same prompt share rows)
-    and one state slot. The engine copies only between these and its tiers; this class
+    """The adapter's rows: a registered worker's buffers (shared memory the daemon maps, CUDA
+    memory it opens by IPC, or plain tensors for an engine in-process), holding the KV pages
+    of one sequence (row p = page p+1, so a load and later stores of the same prompt share
+    rows) and one state slot. tiercache copies between these and its tiers; this class
     copies between these and a transformers cache."""
 
-    def __init__(self, spec: CacheSpec, layout: Layout,
-                 allocate: Callable[[BufferSpec], torch.Tensor]) -> None:
+    def __init__(self, spec: CacheSpec, page_tokens: int, paged: Mapping[str, torch.Tensor],
+                 slots: Mapping[str, torch.Tensor]) -> None:
         self.spec = spec
-        self.page_tokens = layout.page_tokens
-        self.paged = {b.name: allocate(b) for b in layout.paged}
-        self.slots = {b.name: allocate(b) for b in layout.slots}
-        self.buffers = WorkerBuffers.bind(layout, paged=self.paged, slots=self.slots)
+        self.page_tokens = page_tokens
+        self.paged = dict(paged)
+        self.slots = dict(slots)
 
     def pages_from(self, cache: Cache, first: int, last: int) -> None:
         """Copy pages first+1..last of the cache's KV into rows first..last-1."""
