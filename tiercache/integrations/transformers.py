@@ -66,6 +66,11 @@ class AdapterConfig:
     page_tokens: int = 16
     max_tokens: int = 8192  # the longest prefix cached; sizes the staging rows
     checkpoint_every: int | None = None  # pages between extra checkpoints during prefill
+    # Also stop at the last full page and, for a prompt that ends on a page boundary, at
+    # the page before it (as far as a repeat of the prompt can load): one more forward pass
+    # each. Off suits prompts that are never extended or repeated. A prompt that ends on a
+    # boundary keeps the checkpoint at its end either way: it costs no extra pass.
+    checkpoint_ends: bool = True
     extra: tuple[str, ...] = ()  # LoRA id, multimodal hashes, ...
 
     def __post_init__(self) -> None:
@@ -249,14 +254,17 @@ class HybridCacheAdapter:
 
     def _plan(self, done: int, length: int, pages: int) -> tuple[list[int], set[int]]:
         """Where the forward passes end (token counts), and which of those ends are kept as
-        checkpoints, after `done`: the last full page; the last one before the final token,
-        which is as far as a later run of this same prompt loads (they differ when the
-        prompt ends on a boundary); and every `checkpoint_every` pages.
+        checkpoints, after `done`: every `checkpoint_every` pages; the end of a prompt that
+        ends on a page boundary; with `checkpoint_ends`, the last full page and the last
+        one before the final token, which is as far as a later run of this same prompt
+        loads (they differ when the prompt ends on a boundary).
         Without linear-attention state there is nothing to stop for: one pass does."""
         if not self.layout.needs_checkpoint:
             return [length], set()
         page_tokens, every = self.config.page_tokens, self.config.checkpoint_every
-        wanted = {pages, min(pages, (length - 1) // page_tokens)}
+        wanted = {pages} if pages * page_tokens == length else set()
+        if self.config.checkpoint_ends:
+            wanted |= {pages, min(pages, (length - 1) // page_tokens)}
         wanted |= set(range(every, pages, every)) if every else set()
         checkpoints = {p * page_tokens for p in wanted if p and done < p * page_tokens <= length}
         return sorted(checkpoints | {length}), checkpoints

@@ -154,6 +154,29 @@ def test_prefill_checkpoints_every_n_pages(model, calls):
     engine.close()
 
 
+def test_prefill_without_end_checkpoints_stops_only_where_it_checkpoints(model, calls):
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=MiB)))
+    config = AdapterConfig(model_id=ADAPTER.model_id, page_tokens=PAGE, max_tokens=128,
+                           checkpoint_every=2, checkpoint_ends=False)
+    adapter = HybridCacheAdapter.for_model(model, engine, config)
+
+    # 45 tokens: passes end at the checkpoints after pages 2 and 4, then at the prompt's end;
+    # nothing is kept after page 5, which would need a pass of its own.
+    first = tokens(45, seed=16)
+    run = adapter.prefill(model, first)
+    assert run.chunks == (16, 16, 13)
+    assert [s.checkpoints for s in run.stores] == [(2,), (4,), ()]
+
+    # A prompt that ends on a page boundary keeps its end for free: one pass after the hit.
+    second = torch.cat([first[:, :32], tokens(8, seed=17)], dim=1)
+    calls.clear()
+    run = adapter.prefill(model, second)
+    assert (run.loaded_tokens, run.chunks, calls) == (32, (8,), [8])
+    assert [s.checkpoints for s in run.stores] == [(5,)]
+    assert torch.equal(run.logits, in_memory(model, second, [16, 16, 8]))  # as computed
+    engine.close()
+
+
 def test_a_prompt_ending_on_a_page_boundary_hits_when_repeated(model):
     engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=MiB)))
     adapter = HybridCacheAdapter.for_model(model, engine, ADAPTER)

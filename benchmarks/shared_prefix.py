@@ -1,0 +1,326 @@
+"""Shared-prefix TTFT on a real hybrid model, and reloading a prefix against recomputing it.
+
+    python -m benchmarks.shared_prefix           # full scale on a GPU, the CPU scale without one
+    python -m benchmarks.shared_prefix --quick   # a first check on a GPU (under 3 minutes)
+
+Workload (seed 001: SGLang's generated-shared-prefix benchmark): G groups of P prompts; a
+group's prompts share a system prompt of S random tokens and each adds a question of Q;
+the G*P prompts come in shuffled order, one at a time (SGLang ran 5 at once, so its TTFT
+also holds queueing). Full scale is SGLang's: 50 x 10, S = 10,240, Q = 256. TTFT runs
+from the request to its first token (the argmax of the last logits); the 128-token
+answers SGLang decoded are skipped, since decoding does not depend on where the prefix
+came from.
+
+Three systems take each prompt in turn, so that machine noise falls on all three:
+- no cache: one forward pass over the whole prompt;
+- GPU-only cache: `DevicePrefixCache` (device_prefix_cache.py), KV pages and states in
+  the worker's own memory, LRU, with a budget of a tenth of the working set (every
+  distinct page and checkpoint the workload stores), so that it must evict;
+- tiercache: a daemon process (a host tier that holds the working set, an LMDB disk
+  tier), the worker's staging rows on its GPU by CUDA IPC (POSIX shared memory on a CPU).
+Both caches are filled by the same `HybridCacheAdapter.prefill`: forward passes end at a
+checkpoint every C tokens (chunked prefill), at the last full page and at the page before
+the final token, and a hit loads the deepest cached checkpoint. S is a multiple of C, so
+a group's later prompts hit its whole system prompt; where S is not, hits stop up to
+C - 1 tokens short (RESULTS.md).
+
+Reload against recompute: a prefix of N tokens, stored in tiercache's host tier, loaded
+into a fresh transformers cache (match, copy into the staging rows, rebuild the cache)
+against prefilling it in chunks. The loaded cache is checked bit for bit against the
+computed one.
+
+Scales (`SCALES`): `full` and `quick` run `QWEN3_NEXT_8` in bf16 (benchmarks/hybrid_model.py);
+`cpu` scales everything down (a small model in fp32, 4 x 10 prompts, S = 1024, prefixes of
+N/8) and its figures only show that the path works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from benchmarks.common import print_summary, print_table
+from benchmarks.device_prefix_cache import DevicePrefixCache
+from benchmarks.hybrid_model import CPU_SMALL, QWEN3_NEXT_8, ModelSize, build, clock
+from service.config import parse_bytes
+from service.process import spawn
+from tiercache.client import Client, EmbeddedClient
+from tiercache.engine import EngineConfig
+from tiercache.index import Tier
+from tiercache.integrations.transformers import (
+    AdapterConfig, CacheSpec, DynamicCache, HybridCacheAdapter)
+from tiercache.tiers.disk import DiskConfig
+from tiercache.tiers.host import HostConfig
+
+SGLANG_TTFT_RATIO = 507.33 / 890.59  # seed 001: radix cache on / off, Qwen3-Next-80B, TP 4
+
+
+@dataclass(frozen=True)
+class Scale:
+    name: str
+    model: ModelSize
+    dtype: torch.dtype
+    groups: int
+    prompts: int  # per group
+    system_tokens: int
+    question_tokens: int
+    checkpoint_tokens: int  # C: a checkpoint (and the end of a forward pass) every C tokens
+    reload_tokens: tuple[int, ...]  # the second stands for 32k in the summary
+    host_budget: str  # tiercache's host tier: holds the working set
+    recompute_chunk: int  # tokens per forward pass when recomputing a long prefix
+    page_tokens: int = 16
+    gpu_cache_share: float = 0.1  # GPU-only cache budget, as a share of the working set
+
+
+SCALES = {
+    "full": Scale("full", QWEN3_NEXT_8, torch.bfloat16, 50, 10, 10240, 256, 2048,
+                  (4096, 32768, 131072), "24GiB", 8192),
+    "quick": Scale("quick", QWEN3_NEXT_8, torch.bfloat16, 10, 5, 10240, 256, 2048,
+                   (4096, 32768), "8GiB", 8192),
+    "cpu": Scale("cpu", CPU_SMALL, torch.float32, 4, 10, 1024, 32, 256,
+                 (512, 4096, 16384), "1GiB", 2048),
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    ttft: float
+    prompt_tokens: int
+    computed: int
+    loaded: int
+    token: int  # the first token
+
+
+def log(message: str) -> None:
+    print(f"[shared_prefix {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# -- workload ------------------------------------------------------------------------------
+def workload(scale: Scale, vocab: int, seed: int) -> list[torch.Tensor]:
+    """The shuffled prompts, [1, S + Q] each."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(scale.groups):
+        system = torch.randint(0, vocab, (1, scale.system_tokens), generator=gen)
+        prompts += [torch.cat([system, torch.randint(0, vocab, (1, scale.question_tokens),
+                                                     generator=gen)], dim=1)
+                    for _ in range(scale.prompts)]
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def working_set(adapter: HybridCacheAdapter, prompts: list[torch.Tensor]) -> int:
+    """Bytes of every distinct page and checkpoint that prefilling `prompts` stores."""
+    pages, checkpoints = set(), set()
+    for prompt in prompts:
+        keys = adapter.keys(prompt[0])
+        pages.update(keys)
+        _, ends = adapter._plan(0, prompt.shape[1], len(keys))
+        checkpoints.update(keys[end // adapter.config.page_tokens - 1] for end in ends)
+    return len(pages) * adapter.layout.page_bytes + len(checkpoints) * adapter.layout.checkpoint_bytes
+
+
+# -- the systems ---------------------------------------------------------------------------
+def no_cache(model: torch.nn.Module, prompt: torch.Tensor) -> Request:
+    device = prompt.device
+    start = clock(device)
+    with torch.no_grad():
+        out = model(input_ids=prompt, past_key_values=DynamicCache(config=model.config),
+                    use_cache=True, logits_to_keep=1)
+    token = int(out.logits[0, -1].argmax())
+    return Request(clock(device) - start, prompt.shape[1], prompt.shape[1], 0, token)
+
+
+def cached(adapter: HybridCacheAdapter, model: torch.nn.Module, prompt: torch.Tensor) -> Request:
+    start = clock(prompt.device)
+    run = adapter.prefill(model, prompt, last_only=True)
+    token = int(run.logits[0, -1].argmax())
+    return Request(clock(prompt.device) - start, prompt.shape[1], run.computed_tokens,
+                   run.loaded_tokens, token)
+
+
+@contextmanager
+def tiercache(scale: Scale, model: torch.nn.Module, config: AdapterConfig,
+              embedded: bool) -> Iterator[tuple[HybridCacheAdapter, Client | EmbeddedClient]]:
+    """An adapter over a daemon process (or, with `embedded`, an engine in this process)
+    with a host tier of scale.host_budget and an LMDB disk tier in a temporary directory."""
+    with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as data_dir:
+        if embedded:
+            client = EmbeddedClient(EngineConfig(
+                host=HostConfig(budget_bytes=parse_bytes(scale.host_budget)),
+                disk=DiskConfig(f"{data_dir}/lmdb", map_size=64 << 30, sync=False)))
+            with HybridCacheAdapter.for_model(model, client, config) as adapter:
+                yield adapter, client
+            client.close()
+            return
+        with spawn(data_dir, "--host-budget", scale.host_budget, "--disk-map-size", "64GiB",
+                   "--no-disk-sync", "--no-flush-on-exit") as (address, _):
+            client = Client(address)
+            with HybridCacheAdapter.for_model(model, client, config) as adapter:
+                yield adapter, client
+            client.close()
+
+
+def serve(systems: dict, prompts: list[torch.Tensor]) -> dict[str, list[Request]]:
+    """Every prompt through every system in turn; progress on stderr."""
+    results: dict[str, list[Request]] = {name: [] for name in systems}
+    last = time.perf_counter()
+    for n, prompt in enumerate(prompts, 1):
+        for name, system in systems.items():
+            results[name].append(system(prompt))
+        if n == len(prompts) or time.perf_counter() - last > 10:
+            last = time.perf_counter()
+            log(f"{n}/{len(prompts)} requests; mean TTFT so far: " + ", ".join(
+                f"{name} {1e3 * statistics.mean(r.ttft for r in rs):.1f} ms"
+                for name, rs in results.items()))
+    return results
+
+
+def ttft_row(name: str, requests: list[Request], reference: list[Request]) -> list:
+    ttft = np.array([r.ttft for r in requests]) * 1e3
+    prompt = sum(r.prompt_tokens for r in requests)
+    same = sum(a.token == b.token for a, b in zip(requests, reference))
+    return [name, len(requests), float(ttft.mean()), float(np.percentile(ttft, 50)),
+            float(np.percentile(ttft, 99)), sum(r.computed for r in requests),
+            sum(r.loaded for r in requests) / prompt,
+            sum(r.loaded > 0 for r in requests) / len(requests), f"{same}/{len(requests)}"]
+
+
+# -- reload against recompute -------------------------------------------------------------
+def recompute(model: torch.nn.Module, prefix: torch.Tensor, chunk: int) -> tuple[float, object]:
+    cache = DynamicCache(config=model.config)
+    start = clock(prefix.device)
+    with torch.no_grad():
+        for at in range(0, prefix.shape[1], chunk):
+            model(input_ids=prefix[:, at:at + chunk], past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
+    return clock(prefix.device) - start, cache
+
+
+def same_cache(spec: CacheSpec, a, b) -> bool:
+    kv = all(torch.equal(getattr(a.layers[s.layer], part), getattr(b.layers[s.layer], part))
+             for s in spec.kv for part in ("keys", "values"))
+    return kv and all(torch.equal(getattr(a.layers[s.layer], f"{s.kind}_states")[s.index],
+                                  getattr(b.layers[s.layer], f"{s.kind}_states")[s.index])
+                      for s in spec.states)
+
+
+def reload_row(adapter: HybridCacheAdapter, model: torch.nn.Module, tokens: int,
+               scale: Scale, repeats: int) -> list:
+    """Recompute a random prefix, store it, then time loading it back into fresh caches."""
+    gen = torch.Generator().manual_seed(tokens)
+    prefix = torch.randint(0, model.config.vocab_size, (1, tokens), generator=gen).to(adapter.device)
+    times = []
+    for _ in range(1 if tokens == max(scale.reload_tokens) else repeats):  # the longest: once
+        seconds, cache = recompute(model, prefix, scale.recompute_chunk)
+        times.append(seconds)
+    adapter.store(prefix[0], cache)
+    loads, restored = [], None
+    for _ in range(repeats):
+        del restored  # the previous copy goes before the next arrives
+        start = clock(prefix.device)
+        restored = adapter.load(prefix[0])
+        loads.append(clock(prefix.device) - start)
+    if restored.tokens != tokens or set(restored.load.bytes_from) != {Tier.HOST}:
+        raise RuntimeError(f"the {tokens}-token prefix did not come back whole from the host "
+                           f"tier: {restored.tokens} tokens from {restored.load.bytes_from}")
+    exact = same_cache(adapter.spec, restored.cache, cache)
+    nbytes = sum(restored.load.bytes_from.values())
+    reload, prefill = statistics.median(loads), statistics.median(times)
+    log(f"reload {tokens} tokens: {1e3 * reload:.1f} ms, recompute {1e3 * prefill:.0f} ms")
+    return [tokens, 1e3 * prefill, 1e3 * reload, prefill / reload, nbytes / 2**20,
+            nbytes / reload / 1e9, "yes" if exact else "NO"]
+
+
+# -- main ------------------------------------------------------------------------------------
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_const", dest="scale", const="full",
+                      help="SGLang's scale (the default with a GPU)")
+    size.add_argument("--quick", action="store_const", dest="scale", const="quick",
+                      help="a first check on a GPU: 10 x 5 prompts, prefixes of 4k and 32k")
+    size.add_argument("--cpu", action="store_const", dest="scale", const="cpu",
+                      help="the scaled-down run (the default without a GPU)")
+    parser.add_argument("--embedded", action="store_true",
+                        help="tiercache's engine in this process instead of a daemon")
+    parser.add_argument("--end-checkpoints", action="store_true",
+                        help="also checkpoint at each prompt's last full page and the page before "
+                             "(AdapterConfig.checkpoint_ends): one more forward pass a request")
+    parser.add_argument("--seed", type=int, default=1)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    scale = SCALES[args.scale or ("full" if device.type == "cuda" else "cpu")]
+    prompt_tokens = scale.system_tokens + scale.question_tokens
+    longest = max(prompt_tokens, *scale.reload_tokens)
+    log(f"scale {scale.name} on {device}: building {scale.model.name} in {scale.dtype}")
+    model = build(scale.model, device, scale.dtype, longest + 1024)
+    model_id = f"{scale.model.name} seed 0"
+    small = AdapterConfig(model_id, scale.page_tokens, prompt_tokens,
+                          scale.checkpoint_tokens // scale.page_tokens, args.end_checkpoints)
+    big = AdapterConfig(model_id, scale.page_tokens, longest, small.checkpoint_every,
+                        args.end_checkpoints)
+    prompts = [p.to(device) for p in workload(scale, model.config.vocab_size, args.seed)]
+    warmup = [p.to(device) for p in workload(scale, model.config.vocab_size, args.seed + 1000)[:2]]
+    with tiercache(scale, model, big, args.embedded) as (ours, client):
+        total = working_set(ours, prompts)
+        layout = ours.spec.layout(scale.page_tokens, small.max_pages)
+        budget = int(scale.gpu_cache_share * total)
+        gpu_only = HybridCacheAdapter(DevicePrefixCache(layout, budget, device), ours.spec, small,
+                                      ours.new_cache, device)
+        log(f"working set {total / 2**30:.2f} GiB; GPU-only cache budget {budget / 2**30:.2f} GiB; "
+            f"tiercache host tier {scale.host_budget}")
+        reloads = [reload_row(ours, model, n, scale, repeats=3) for n in scale.reload_tokens]
+        systems = {"no cache": lambda p: no_cache(model, p),
+                   "GPU-only cache": lambda p: cached(gpu_only, model, p),
+                   "tiercache": lambda p: cached(ours, model, p)}
+        serve(systems, warmup)  # kernels, allocators, registrations: not timed
+        results = serve(systems, prompts)
+        tiers = {t.tier.name: t for t in client.stats().tiers}
+    report(scale, device, results, reloads, budget, total, gpu_only.worker.evicted)
+    print("tiercache at the end: " + ", ".join(
+        f"{name} {t.entries} entries, {t.used_bytes / 2**30:.2f} GiB" for name, t in tiers.items()))
+
+
+def report(scale: Scale, device: torch.device, results: dict, reloads: list, budget: int,
+           total: int, evicted: int) -> None:
+    rows = [ttft_row(name, rs, results["no cache"]) for name, rs in results.items()]
+    base = rows[0][2]
+    for row in rows:
+        row.insert(5, row[2] / base)
+    print_table(f"shared_prefix ({scale.name}: {scale.groups} x {scale.prompts} prompts, system "
+                f"{scale.system_tokens} + question {scale.question_tokens} tokens, "
+                f"{scale.model.name}, {str(scale.dtype).removeprefix('torch.')}, {device.type})",
+                ["system", "requests", "TTFT mean ms", "p50 ms", "p99 ms", "vs no cache",
+                 "prefill tokens", "token hit rate", "request hits", "1st token = no cache"],
+                rows + [["SGLang radix cache (seed 001)", 500, "", "", "", SGLANG_TTFT_RATIO,
+                         "", "", "", ""]])
+    print(f"GPU-only cache: budget {budget / 2**30:.2f} GiB = {scale.gpu_cache_share:.0%} of the "
+          f"working set ({total / 2**30:.2f} GiB), {evicted} entries evicted")
+    print_table(f"reload vs recompute ({scale.name}: host tier -> fresh cache, against a chunked "
+                f"prefill of {scale.recompute_chunk} tokens a pass)",
+                ["prefix tokens", "recompute ms", "reload ms", "speedup", "MiB", "reload GB/s",
+                 "bit-exact"], reloads)
+    ratio = rows[2][2] / base
+    print_summary(scale=scale.name, ttft_ratio=ratio, ttft_ratio_gpu_only=rows[1][2] / base,
+                  hit_rate_tiercache=rows[2][7], hit_rate_gpu_only=rows[1][7],
+                  reload_speedup_32k=reloads[1][3], reload_32k_tokens=reloads[1][0],
+                  sglang_ttft_ratio=SGLANG_TTFT_RATIO)
+
+
+if __name__ == "__main__":
+    main()
