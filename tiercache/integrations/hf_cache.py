@@ -31,14 +31,20 @@ from tiercache.errors import InvalidArgument
 from tiercache.layout import BufferSpec, Layout
 
 try:
+    from transformers import cache_utils
     from transformers.cache_utils import (
-        Cache, CacheLayerMixin, DummyLayer, DynamicCache, DynamicLayer,
-        LinearAttentionAndFullAttentionLayer, LinearAttentionCacheLayerMixin)
+        Cache, CacheLayerMixin, DynamicCache, DynamicLayer, LinearAttentionAndFullAttentionLayer,
+        LinearAttentionCacheLayerMixin)
 except ImportError as error:  # transformers missing, or a version without linear-attention layers
     raise ImportError(
         "tiercache.integrations.transformers needs Hugging Face transformers 5.x with its "
-        "linear-attention cache layers (tested with 5.23): pip install 'tiercache[transformers]'"
-    ) from error
+        "linear-attention cache layers (tested with 5.17 and 5.23): "
+        "pip install 'tiercache[transformers]'") from error
+
+# Layers that cache nothing (MLP-only layers); transformers before 5.23 has none (GPU images
+# still ship 5.17).
+_EMPTY_LAYERS = tuple(getattr(cache_utils, name) for name in ("DummyLayer",)
+                      if hasattr(cache_utils, name))
 
 # Layers whose KV tensors hold every token of the prefix, so pages rebuild them exactly.
 _WHOLE_KV_LAYERS = (DynamicLayer, LinearAttentionAndFullAttentionLayer)
@@ -114,7 +120,7 @@ class CacheSpec:
 
 def _read_layer(index: int, layer: object) -> tuple[list[KVSpec], list[StateSpec]]:
     where = f"cache layer {index} ({type(layer).__name__})"
-    if isinstance(layer, DummyLayer):
+    if isinstance(layer, _EMPTY_LAYERS):
         return [], []
     linear = isinstance(layer, LinearAttentionCacheLayerMixin)
     if not linear and not isinstance(layer, CacheLayerMixin):
