@@ -37,6 +37,8 @@ N/8) and its figures only show that the path works.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import random
 import statistics
 import sys
@@ -257,23 +259,33 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--end-checkpoints", action="store_true",
                         help="also checkpoint at each prompt's last full page and the page before "
                              "(AdapterConfig.checkpoint_ends): one more forward pass a request")
+    parser.add_argument("--gpu-cache-share", type=float,
+                        help="GPU-only cache budget as a share of the working set (default 0.1)")
     parser.add_argument("--seed", type=int, default=1)
     return parser.parse_args()
+
+
+def load_model(scale: Scale, device: torch.device, max_tokens: int) -> torch.nn.Module:
+    log(f"scale {scale.name} on {device}: building {scale.model.name} in {scale.dtype}")
+    model = build(scale.model, device, scale.dtype, max_tokens)
+    log(f"experts: {model.config._experts_implementation}, attention: "
+        f"{model.config._attn_implementation}, gated delta rule: "
+        f"{'fla' if importlib.util.find_spec('fla') else 'torch fallback (no fla)'}")
+    return model
 
 
 def main() -> None:
     args = parse()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     scale = SCALES[args.scale or ("full" if device.type == "cuda" else "cpu")]
+    if args.gpu_cache_share is not None:
+        scale = dataclasses.replace(scale, gpu_cache_share=args.gpu_cache_share)
     prompt_tokens = scale.system_tokens + scale.question_tokens
     longest = max(prompt_tokens, *scale.reload_tokens)
-    log(f"scale {scale.name} on {device}: building {scale.model.name} in {scale.dtype}")
-    model = build(scale.model, device, scale.dtype, longest + 1024)
-    model_id = f"{scale.model.name} seed 0"
-    small = AdapterConfig(model_id, scale.page_tokens, prompt_tokens,
-                          scale.checkpoint_tokens // scale.page_tokens, args.end_checkpoints)
-    big = AdapterConfig(model_id, scale.page_tokens, longest, small.checkpoint_every,
-                        args.end_checkpoints)
+    model = load_model(scale, device, longest + 1024)
+    model_id, every = f"{scale.model.name} seed 0", scale.checkpoint_tokens // scale.page_tokens
+    small = AdapterConfig(model_id, scale.page_tokens, prompt_tokens, every, args.end_checkpoints)
+    big = AdapterConfig(model_id, scale.page_tokens, longest, every, args.end_checkpoints)
     prompts = [p.to(device) for p in workload(scale, model.config.vocab_size, args.seed)]
     warmup = [p.to(device) for p in workload(scale, model.config.vocab_size, args.seed + 1000)[:2]]
     with tiercache(scale, model, big, args.embedded) as (ours, client):
@@ -294,6 +306,8 @@ def main() -> None:
     report(scale, device, results, reloads, budget, total, gpu_only.worker.evicted)
     print("tiercache at the end: " + ", ".join(
         f"{name} {t.entries} entries, {t.used_bytes / 2**30:.2f} GiB" for name, t in tiers.items()))
+    if device.type == "cuda":
+        print(f"peak GPU memory allocated: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
 
 
 def report(scale: Scale, device: torch.device, results: dict, reloads: list, budget: int,
