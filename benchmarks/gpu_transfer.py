@@ -7,6 +7,13 @@ by one Triton launch from the GPU); load = daemon -> other scattered rows. Besid
 the same run: one bulk pinned `copy_` of the same byte count each way (the PCIe limit),
 and a per-row `copy_` loop (the naive peer). Times are wall times at the worker, RPC
 included, until the bytes are in place.
+
+Then a 32k-token prefix of a Qwen3-Next-shaped layout (12 attention layers x K, V with 2
+KV heads x 256 dims in bf16, pages of 16 tokens; 36 GDN layers with a 32x128x128 fp32
+recurrent state and an 8192x3 bf16 conv state): the time until the worker may reuse its
+rows after Store (the daemon's device tier takes the bytes device to device), beside one
+device-to-device copy of the same bytes; and the reload time from the device tier and
+from the host tier, beside a device-to-device copy and a bulk pinned copy.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 from benchmarks.common import median_seconds, print_summary, print_table
 from service.process import spawn
 from tiercache.client import Client
+from tiercache.index import Tier
 from tiercache.layout import BufferSpec, Layout
 
 MiB = 1 << 20
@@ -84,10 +92,60 @@ def ours(address: str, row_bytes: int) -> tuple[float, float, float, float]:
     return load_s, store_s, naive_load, naive_store
 
 
+def qwen3_next_layout(pages: int) -> Layout:
+    return Layout(16, paged=tuple(BufferSpec(f"attn{i}.{kv}", pages, (16, 2, 256), "bfloat16")
+                                  for i in range(12) for kv in "kv"),
+                  slots=tuple(spec for i in range(36) for spec in (
+                      BufferSpec(f"gdn{i}.recurrent", 2, (32, 128, 128), "float32"),
+                      BufferSpec(f"gdn{i}.conv", 2, (8192, 3), "bfloat16"))))
+
+
+def prefix_32k(address: str) -> dict[str, float]:
+    pages = 32768 // 16
+    layout = qwen3_next_layout(2 * pages)
+    tensors = {b.name: torch.randn(b.shape, device="cuda").to(getattr(torch, b.dtype))
+               for b in (*layout.paged, *layout.slots)}
+    worker = Client(address).register("qwen3-next-shaped", layout, buffers=tensors)
+    keys = worker.keys(np.random.default_rng(32).integers(0, 150_000, 32768).tolist())
+    nbytes = pages * layout.page_bytes + layout.checkpoint_bytes
+    src, dst = list(range(pages)), list(range(pages, 2 * pages))
+
+    def store():
+        assert worker.store(keys=keys, kv_rows=src, checkpoints={32768: 0}).stored == pages + 1
+
+    def forget():
+        time.sleep(0.5)  # the daemon copies the last store down to the host behind it
+        worker.evict(keys=keys)
+    store_s = median_seconds(store, repeat=5, setup=forget)
+    device_s = median_seconds(lambda: worker.load(keys=keys, kv_rows=dst, slot=1, synchronous=True),
+                              repeat=5)
+    worker.load(keys=keys, kv_rows=dst, slot=1, synchronous=True)
+    assert all(torch.equal(tensors[b.name][dst].view(torch.int16), tensors[b.name][src].view(torch.int16))
+               for b in layout.paged)
+    host_s = median_seconds(lambda: worker.load(keys=keys, kv_rows=dst, slot=1, synchronous=True),
+                            repeat=5, setup=lambda: worker.evict(keys=keys, tier=Tier.DEVICE))
+    assert worker.load(keys=keys, kv_rows=dst, slot=1, synchronous=True).bytes_from.keys() == {Tier.HOST}
+    worker.close()
+    a, b = (torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+
+    def d2d():
+        a.copy_(b)
+        torch.cuda.current_stream().synchronize()
+    d2d_s = median_seconds(d2d, repeat=9)
+    h2d_s = bulk(nbytes)[0]
+    print_table(f"32k-token Qwen3-Next-shaped prefix ({nbytes / MiB:.0f} MiB: KV pages + one checkpoint)",
+                ["operation", "ms", "peer", "peer ms", "ours / peer"],
+                [("store, rows reusable", store_s * 1e3, "d2d copy", d2d_s * 1e3, store_s / d2d_s),
+                 ("reload from device", device_s * 1e3, "d2d copy", d2d_s * 1e3, device_s / d2d_s),
+                 ("reload from host", host_s * 1e3, "bulk h2d", h2d_s * 1e3, host_s / h2d_s)])
+    return {"store_32k_over_d2d": store_s / d2d_s, "reload_device_32k_over_d2d": device_s / d2d_s,
+            "reload_host_32k_over_bulk": host_s / h2d_s}
+
+
 def main() -> None:
     rows, summary = [], {}
     with spawn(tempfile.mkdtemp(prefix="tiercache-bench-"), "--host-budget", "3GiB",
-               "--no-disk") as (address, _):
+               "--device-budget", "0", "--no-disk") as (address, _):
         h2d, d2h = bulk(TOTAL)
         for row_bytes in (4096, 16384, 65536, 1 << 20):
             load_s, store_s, naive_load, naive_store = ours(address, row_bytes)
@@ -97,6 +155,9 @@ def main() -> None:
                          gbs(store_s), gbs(naive_store), gbs(d2h), d2h / store_s))
             summary[f"load_vs_bulk_{label}"] = h2d / load_s
             summary[f"store_vs_bulk_{label}"] = d2h / store_s
+    with spawn(tempfile.mkdtemp(prefix="tiercache-bench-"), "--host-budget", "4GiB",
+               "--device-budget", "4GiB", "--no-disk") as (address, _):
+        summary.update(prefix_32k(address))
     print_table(f"{TOTAL // MiB} MiB of scattered rows, {BUFFERS} buffers, worker <-> daemon host tier",
                 ["rows", "load GB/s", "per-row", "bulk h2d", "ratio", "store GB/s", "per-row",
                  "bulk d2h", "ratio"], rows)

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from tiercache.engine import EngineConfig
 from tiercache.errors import InvalidArgument
 from tiercache.policy import make_policy
+from tiercache.tiers.device import DeviceConfig
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
 
@@ -37,6 +38,7 @@ class ServiceConfig:
     socket: str = ""  # Unix socket path; "" = <data_dir>/tiercache.sock
     tcp: str = ""  # host:port to listen on as well (opt-in, plaintext unless TLS is set)
     host_budget: int = 1 << 30  # bytes of host memory for cached entries
+    device_budget: int = 2 << 30  # bytes of GPU memory for cached entries (0: no device tier)
     disk_map_size: int = 16 << 30  # LMDB map size: fixed for the life of the environment
     disk: bool = True  # keep a disk tier under <data_dir>/lmdb
     disk_sync: bool = True  # fsync every LMDB commit
@@ -55,8 +57,9 @@ class ServiceConfig:
     def engine(self) -> EngineConfig:
         disk = DiskConfig(os.path.join(self.data_dir, "lmdb"), self.disk_map_size,
                           sync=self.disk_sync) if self.disk else None
+        device = DeviceConfig(budget_bytes=self.device_budget) if self.device_budget else None
         return EngineConfig(host=HostConfig(budget_bytes=self.host_budget), disk=disk,
-                            policy=self.policy)
+                            device=device, policy=self.policy)
 
     def check(self) -> "ServiceConfig":
         for name in ("host_budget", "disk_map_size", "max_message_bytes", "max_concurrent_rpcs",
@@ -68,7 +71,7 @@ class ServiceConfig:
         return self
 
 
-_SIZES = {"host_budget", "disk_map_size", "max_message_bytes"}
+_SIZES = {"host_budget", "device_budget", "disk_map_size", "max_message_bytes"}
 
 
 def _coerce(name: str, value: Any) -> Any:

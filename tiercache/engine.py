@@ -33,6 +33,7 @@ from tiercache.policy import PolicyConfig, make_policy
 from tiercache.results import EngineStats, LoadResult, StoreResult, TierStats
 from tiercache.tiering import Tiering
 from tiercache.tiers.arena import SlotArena
+from tiercache.tiers.device import DeviceConfig, device_arena
 from tiercache.tiers.disk import DiskConfig, DiskTier
 from tiercache.tiers.host import HostConfig, host_arena
 from tiercache.transfer import CpuTransfer, CudaTransfer
@@ -45,6 +46,7 @@ _LOAD_ATTEMPTS = 4  # a damaged entry found during a load drops it and retries t
 class EngineConfig:
     host: HostConfig = field(default_factory=HostConfig)
     disk: DiskConfig | None = None
+    device: DeviceConfig | None = None  # a GPU arena above the host, for GPU workers
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # a str names the eviction only
     copy_threads: int = 2
     evict_slack: float = 0.01  # an eviction frees at least this share of the tier's budget
@@ -78,7 +80,8 @@ class Engine:
         self.counters: dict[str, int] = dict.fromkeys(
             ["matches", "matched_pages", "stored_pages", "stored_checkpoints", "skipped_entries",
              "declined_checkpoints", "loads", "loaded_pages", "demoted", "disk_writes", "promoted",
-             "prefetches", "promotion_waits", "evicted_host", "evicted_disk", "regrets"], 0)
+             "prefetches", "promotion_waits", "evicted_device", "evicted_host", "evicted_disk",
+             "copied_down", "regrets"], 0)
         policy = config.policy
         self.tuner = AlphaTuner(policy.alpha, self.counters) if policy.tune_alpha else None
         self.tiers = Tiering(index, host, disk, make_policy(policy), self.counters,
@@ -125,6 +128,10 @@ class Engine:
     def _flush(self) -> int:
         if self.disk is None:
             return 0
+        if self.tiers.device is not None:  # device entries go down through the host
+            with self._lock:
+                self.moving.stored_on_device(self.index.rows_in(Tier.DEVICE))
+            self.moving.drain()
         with self._lock:
             before = self.counters["disk_writes"]
             self.moving.write_soon(self.tiers.dirty())
@@ -165,13 +172,18 @@ class Engine:
             raise FailedPrecondition("the engine is closed: open a new one with Engine.open")
 
     def _transfer_for(self, buffers: WorkerBuffers) -> Transfer:
-        """The copy path for a worker's buffers, chosen by the device they live on."""
+        """The copy path for a worker's buffers, chosen by the device they live on. The
+        first GPU that workers bring gets the device tier, if one is configured."""
         if buffers.device.type != "cuda":
             return self.transfer
         with self._lock:
             index = buffers.device.index or 0
             if index not in self._cuda:
                 self._cuda[index] = CudaTransfer.open(buffers.device)
+                if self.config.device is not None and self.tiers.device is None:
+                    self.tiers.device = device_arena(self.config.device, buffers.device)
+                    self.tiers.device_transfer = self._cuda[index]
+                    self.moving.start()
             return self._cuda[index]
 
     def quiesce(self, buffers: WorkerBuffers) -> None:
@@ -281,27 +293,33 @@ class Engine:
 
     def _store(self, group: Group, keys: np.ndarray, depths: np.ndarray, src: np.ndarray,
                values: np.ndarray, stamp: int, ready: Any) -> tuple[StoreResult, np.ndarray]:
-        """Store entries in the host tier; returns the result and which keys are cached now."""
+        """Store entries in the first tier: the device tier for workers on its GPU, else the
+        host. Returns the result and which keys are cached now."""
         group.transfer.wait_for(ready, "store")
+        tier = Tier.DEVICE if group.transfer is self.tiers.device_transfer else Tier.HOST
+        arena = self.tiers.arena(tier)
         todo, claimed = self._claim(group.kind, keys, values, stamp)
         stored = 0
         try:
-            while stored < len(todo):  # in batches: each one may push the last out to disk
+            while stored < len(todo):  # in batches: each one may push the last down a tier
                 with self._lock:
-                    slots = self.tiers.reserve(group.nbytes, len(todo) - stored)
+                    slots = self.tiers.reserve(group.nbytes, len(todo) - stored, tier)
                 if not slots:
                     break
                 batch = todo[stored:stored + len(slots)]  # shallow pages first
                 try:
-                    self._gather(group, src[batch], np.asarray(slots, np.int64))
+                    self._gather(group, src[batch], np.asarray(slots, np.int64), arena)
                 except BaseException:
                     with self._lock:
-                        self.host.free(group.nbytes, slots)
+                        arena.free(group.nbytes, slots)
                     raise
                 with self._lock:
                     rows = self.index.publish(group.kind, keys[batch], depths[batch], group.nbytes,
-                                              Tier.HOST, slots, stamp, values[batch])
-                    self.moving.stored(rows)
+                                              tier, slots, stamp, values[batch])
+                    if tier == Tier.DEVICE:
+                        self.moving.stored_on_device(rows)
+                    else:
+                        self.moving.stored(rows)
                 stored += len(batch)
         finally:
             with self._lock:
@@ -311,8 +329,9 @@ class Engine:
                 self.counters["skipped_entries"] += len(todo) - stored
         if len(todo) and not stored:
             raise ResourceExhausted(
-                f"no room in the host tier for a {group.nbytes}-byte entry (budget "
-                f"{self.host.budget_bytes} bytes, the rest pinned by loads): raise the host budget")
+                f"no room in the {tier.name.lower()} tier for a {group.nbytes}-byte entry (budget "
+                f"{arena.budget_bytes} bytes, the rest pinned by loads): raise the "
+                f"{tier.name.lower()} budget")
         kept = np.ones(len(keys), bool)
         kept[todo[stored:]] = False
         return StoreResult(stored, len(keys) - len(todo), len(todo) - stored), kept
@@ -334,10 +353,10 @@ class Engine:
             self._inflight[kind].insert(keys[todo], todo)
             return todo, keys[todo]
 
-    def _gather(self, group: Group, src: np.ndarray, slots: np.ndarray) -> None:
-        """Copy worker rows into host slots; returns once the worker may reuse the rows."""
+    def _gather(self, group: Group, src: np.ndarray, slots: np.ndarray, arena: SlotArena) -> None:
+        """Copy worker rows into arena slots; returns once the worker may reuse the rows."""
         group.transfer.gather(group.buffers, group.offsets, src,
-                              list(self.host.pool(group.nbytes).parts(slots)))
+                              list(arena.pool(group.nbytes).parts(slots)))
         group.transfer.fence("store").synchronize()  # this batch only, not the device
 
     # -- match and load -----------------------------------------------------------------
@@ -422,7 +441,8 @@ class Engine:
         """Drop the pages and checkpoints named by `keys` (all entries if None) from `tier`
         (every tier if None); entries a load is reading stay. Returns how many entries
         were dropped from at least one tier."""
-        tiers = [t for t in (Tier.HOST, Tier.DISK) if tier is None or t == tier]
+        present = [Tier.DEVICE] * (self.tiers.device is not None) + [Tier.HOST, Tier.DISK]
+        tiers = [t for t in present if tier is None or t == tier]
         with self._lock:
             self._check_open()
             if keys is None:
@@ -443,6 +463,9 @@ class Engine:
         with self._lock:
             tiers = [TierStats(Tier.HOST, self.index.count[Tier.HOST], self.host.used_bytes,
                                self.host.budget_bytes)]
+            if self.tiers.device is not None:
+                tiers.insert(0, TierStats(Tier.DEVICE, self.index.count[Tier.DEVICE],
+                                          self.tiers.device.used_bytes, self.tiers.device.budget_bytes))
             if self.disk is not None:
                 tiers.append(TierStats(Tier.DISK, self.index.count[Tier.DISK], self.disk.used_bytes,
                                        self.disk.budget_bytes))

@@ -7,7 +7,8 @@ address, row stride, row width and offset inside an entry; per entry a worker ro
 the address of its slot. Slot addresses may point at device memory or at page-locked
 host memory (addressed from the GPU), so the same launch serves device-to-device stores
 and host-to-device loads at PCIe speed (measured on an H100: 50-52 GB/s each way into
-and out of page-locked memory, against 54 GB/s for one bulk copy). Addresses and sizes
+and out of page-locked memory, against 54 GB/s for one bulk copy; device to device on an
+H200: 1.87 TB/s against 2.06 for one copy). Addresses and sizes
 must be 16-byte aligned so every access is a full 16-byte vector; BufferTable checks.
 """
 
@@ -23,7 +24,8 @@ import triton.language as tl
 
 ALIGN = 16
 CHUNK_WORDS = 16 * 1024  # int32 words (64 KiB) of a row one program moves; longer rows split
-BLOCK_WORDS = 1024
+BLOCK_WORDS = 2048
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -92,4 +94,5 @@ def copy_rows(table: BufferTable, rows: torch.Tensor, slot_addresses: torch.Tens
     grid = (entries * buffers, triton.cdiv(table.max_width // 4, CHUNK_WORDS))
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         _copy_rows[grid](table.base, table.stride, table.width, table.offset, rows, slot_addresses,
-                         buffers, to_slots=to_slots, CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS, num_warps=4)
+                         buffers, to_slots=to_slots, CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS,
+                         num_warps=NUM_WARPS)

@@ -80,6 +80,7 @@ class Movement:
         self._moves: list[Move] = []  # every promotion in flight
         self._queued: deque[Move] = deque()  # promotions waiting for the background thread
         self._to_write: deque[np.ndarray] = deque()  # rows to write to disk, oldest first
+        self._to_host: deque[np.ndarray] = deque()  # device rows to copy down, oldest first
         self._pending: list[tuple[Any, np.ndarray, list[torch.Tensor]]] = []  # async loads
         # the last interprocess events handed out: a worker may open one after its copy is
         # done, and an exported event must still exist then
@@ -88,7 +89,8 @@ class Movement:
 
     # -- the background thread ------------------------------------------------------------
     def start(self) -> None:
-        if self.tiers.disk is not None:  # both of its jobs need a disk
+        """Start the thread once there is work it could do: a disk, or a device tier."""
+        if not self.background.running and (self.tiers.disk is not None or self.tiers.device):
             self.background.start()
 
     def drain(self) -> None:
@@ -108,17 +110,32 @@ class Movement:
                 self._finish(self._queued.popleft(), [])
 
     def step(self) -> bool:
-        """One promotion or one disk batch; False when there was nothing to do."""
+        """One promotion, one device-to-host batch or one disk batch; False when there was
+        nothing to do."""
         rows, queued, batch = np.empty(0, np.int64), False, None
         with self.lock:
             if self.stopped:
                 return False
             move = self._queued.popleft() if self._queued else None
-            if move is None:
+            down = self.tiers.begin_copy_down(self._to_host.popleft()) if (
+                move is None and self._to_host) else None
+            if move is None and down is None and self._to_host:
+                return True  # that batch needed no copy: look at the next
+            if move is None and down is None:
                 rows, queued = self._next_writes()
                 batch = self.tiers.begin_write(rows, len(rows)) if len(rows) else None
         if move is not None:
             self._promote(move)
+            return True
+        if down is not None:
+            copied = False
+            try:
+                self.tiers.copy(down)
+                copied = True
+            finally:
+                with self.lock:
+                    self.counters["copied_down"] += self.tiers.end_copy_down(down, copied)
+                    self.stored(down.rows)  # now host entries: on towards disk as usual
             return True
         if batch is None:
             return queued  # the queue shrank: look again; nothing else would change
@@ -131,6 +148,13 @@ class Movement:
         return True
 
     # -- writes -----------------------------------------------------------------------------
+    def stored_on_device(self, rows: np.ndarray) -> None:
+        """Entries were just published in the device tier: copy them down to the host in the
+        background, so that evicting them from the device later costs nothing."""
+        if len(rows):
+            self._to_host.append(np.asarray(rows, np.int64))
+            self.background.kick()
+
     def stored(self, rows: np.ndarray) -> None:
         """Entries were just published in the host: write them through, or clean ahead of
         eviction if the host is nearly full. Call under the lock."""
@@ -269,11 +293,10 @@ class Movement:
                 staged = self._stage(group, entry_rows, dst is not None, damaged, promoted)
                 if staged is None or dst is None:
                     continue
-                parts, from_disk, buffer = staged
+                parts, counts, buffer = staged
                 staging.append(buffer)
                 transfer.scatter(parts, group.buffers, group.offsets, dst)
-                for tier, count in ((Tier.HOST, len(entry_rows) - from_disk),
-                                    (Tier.DISK, from_disk)):
+                for tier, count in counts.items():
                     if count:
                         done.bytes_from[tier] = done.bytes_from.get(tier, 0) + count * group.nbytes
             done.event = transfer.fence("load", interprocess=asynchronous)
@@ -313,17 +336,22 @@ class Movement:
 
     def _stage(self, group: Group, entry_rows: np.ndarray, staging_ok: bool, damaged: list[int],
                promoted: list[tuple[Move, list[int], int]]
-               ) -> tuple[list[SlabPart], int, torch.Tensor] | None:
+               ) -> tuple[list[SlabPart], dict[Tier, int], torch.Tensor] | None:
         """Host memory holding the pinned `entry_rows`: their host slots, where disk entries
         are first read into new host slots (promotion) or, when the host has no room or
         another promotion owns them and `staging_ok`, into a staging buffer (page-locked
-        for a GPU). Returns (parts, entries read from disk, the staging buffer), or None
-        when a disk entry turned out damaged."""
+        for a GPU); entries in the device tier are read from there by workers on its GPU.
+        Returns (parts, entries per tier they come from, the staging buffer), or None when a
+        disk entry turned out damaged."""
         nbytes = group.nbytes
         with self.lock:
-            in_host = self.index.in_tier(entry_rows, Tier.HOST)
+            # device copies serve workers on the device tier's GPU (device to device)
+            on_device = self.index.in_tier(entry_rows, Tier.DEVICE) if (
+                group.transfer is self.tiers.device_transfer) else np.zeros(len(entry_rows), bool)
+            device_slots = self.index.slots(entry_rows[on_device], Tier.DEVICE)
+            in_host = self.index.in_tier(entry_rows, Tier.HOST) & ~on_device
             slots = np.where(in_host, self.index.slots(entry_rows, Tier.HOST), -1)
-            from_disk = np.flatnonzero(~in_host)
+            from_disk = np.flatnonzero(~in_host & ~on_device)
             owned = self.moving(entry_rows[from_disk])
             promo = self.tiers.reserve(nbytes, int((~owned).sum())) if len(from_disk) else []
             # the entries this load promotes first, then the ones it only stages
@@ -346,6 +374,12 @@ class Movement:
             slots[from_disk[:len(promo)]] = promo
         at = np.flatnonzero(slots >= 0)
         parts = [SlabPart(p.slab, p.local, at[p.positions]) for p in pool.parts(slots[at])]
+        if len(device_slots):
+            at = np.flatnonzero(on_device)
+            parts += [SlabPart(p.slab, p.local, at[p.positions])
+                      for p in self.tiers.device.pool(nbytes).parts(device_slots)]
         if len(staging):
             parts.append(SlabPart(staging, np.arange(len(staging)), from_disk[len(promo):]))
-        return parts, len(from_disk), staging
+        counts = {Tier.DEVICE: len(device_slots), Tier.DISK: len(from_disk),
+                  Tier.HOST: len(entry_rows) - len(device_slots) - len(from_disk)}
+        return parts, counts, staging

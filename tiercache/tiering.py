@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +35,14 @@ class DiskBatch:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class DownBatch:
+    """Device entries on their way to host slots: (rows, host slots, entry size) groups."""
+
+    rows: np.ndarray
+    placed: list
+
+
 class Tiering:
     def __init__(self, index: Index, host: SlotArena, disk: DiskTier | None,
                  policy: EvictionPolicy, counters: dict[str, int], evict_slack: float,
@@ -47,6 +56,13 @@ class Tiering:
         self.lock = lock
         self.tuner = tuner
         self.writing_bytes = 0  # disk room promised to batches being written
+        self.device: SlotArena | None = None  # the GPU arena, once a GPU worker brings one
+        self.device_transfer: Any = None  # that GPU's CudaTransfer
+
+    def arena(self, tier: Tier) -> SlotArena:
+        arena = self.device if tier == Tier.DEVICE else self.host
+        assert arena is not None, f"no {tier.name} arena"
+        return arena
 
     def read_disk(self, kind: Kind, rows: np.ndarray, targets: list[torch.Tensor]) -> list[int]:
         """Copy verified disk entries into `targets`; returns the rows found damaged."""
@@ -61,14 +77,16 @@ class Tiering:
                     target.numpy()[:] = as_array(view)
         return damaged
 
-    def reserve(self, nbytes: int, count: int) -> list[int]:
-        """Up to `count` host slots of `nbytes`, evicting (and demoting) cold entries for room."""
-        slots = self.host.alloc(nbytes, count)
-        while len(slots) < count and self.host.fits(nbytes):
-            want = max((count - len(slots)) * nbytes, int(self.host.budget_bytes * self.evict_slack))
-            if not self.evict(Tier.HOST, want):
+    def reserve(self, nbytes: int, count: int, tier: Tier = Tier.HOST) -> list[int]:
+        """Up to `count` slots of `nbytes` in an arena tier, evicting (and demoting) cold
+        entries for room."""
+        arena = self.arena(tier)
+        slots = arena.alloc(nbytes, count)
+        while len(slots) < count and arena.fits(nbytes):
+            want = max((count - len(slots)) * nbytes, int(arena.budget_bytes * self.evict_slack))
+            if not self.evict(tier, want):
                 break
-            slots += self.host.alloc(nbytes, count - len(slots))
+            slots += arena.alloc(nbytes, count - len(slots))
         return slots
 
     def evict(self, tier: Tier, want_bytes: int) -> int:
@@ -85,6 +103,8 @@ class Tiering:
             self.tuner.evicted(candidates, chosen, self.index.keys(victims))
         if tier == Tier.HOST and self.disk is not None:
             self.counters["demoted"] += self.demote(victims)
+        if tier == Tier.DEVICE:  # the background copy down has not reached these yet
+            self.counters["copied_down"] += self.copy_down(victims)
         self.remove(victims, tier)
         self.counters["evicted_" + tier.name.lower()] += len(victims)
         return int(sizes[len(victims) - 1])
@@ -96,10 +116,11 @@ class Tiering:
 
     def remove(self, rows: np.ndarray, tier: Tier) -> None:
         """Take unpinned entries out of one tier and give back their room."""
-        if tier == Tier.HOST:
-            slots, sizes = self.index.slots(rows, Tier.HOST), self.index.column("nbytes", rows)
+        if tier in (Tier.HOST, Tier.DEVICE):
+            arena = self.arena(tier)
+            slots, sizes = self.index.slots(rows, tier), self.index.column("nbytes", rows)
             for size in np.unique(sizes).tolist():
-                self.host.free(size, slots[sizes == size].tolist())
+                arena.free(size, slots[sizes == size].tolist())
         elif tier == Tier.DISK:
             assert self.disk is not None
             kinds = self.index.column("kind", rows).tolist()
@@ -169,7 +190,58 @@ class Tiering:
         """Remove damaged entries from every tier. One a load is still reading stays:
         that load finds out for itself and drops it when it ends."""
         rows = rows[self.index.column("pins", rows) == 0]
-        for tier in (Tier.HOST, Tier.DISK):
+        for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
             inside = rows[self.index.in_tier(rows, tier)]
             if len(inside):
                 self.remove(inside, tier)
+
+    # -- device -> host ---------------------------------------------------------------------
+    def begin_copy_down(self, rows: np.ndarray) -> DownBatch | None:
+        """Pin the device entries among `rows` that have no host copy and reserve host
+        slots for them; None if there is nothing to copy or no room."""
+        rows = np.unique(rows)
+        rows = rows[self.index.in_tier(rows, Tier.DEVICE) & ~self.index.in_tier(rows, Tier.HOST)]
+        if not len(rows):
+            return None
+        self.index.pin(rows)  # pinned while read, and no candidate for the evictions below
+        placed, sizes = [], self.index.column("nbytes", rows)
+        for size in np.unique(sizes).tolist():
+            group = rows[sizes == size]
+            slots = self.reserve(size, len(group))
+            placed.append((group[:len(slots)], np.asarray(slots, np.int64), size))
+        return DownBatch(rows, placed)
+
+    def copy(self, batch: DownBatch) -> None:
+        """Copy a batch's device slots into its host slots and wait for it (no lock needed:
+        the rows are pinned and the host slots are nobody else's)."""
+        for rows, slots, size in batch.placed:
+            pool = self.host.pool(size)
+            addresses = np.array([pool.view(s).data_ptr() for s in slots.tolist()], np.int64)
+            self.device_transfer.copy_entries(
+                list(self.device.pool(size).parts(self.index.slots(rows, Tier.DEVICE))), addresses)
+        self.device_transfer.fence("move").synchronize()
+
+    def end_copy_down(self, batch: DownBatch, copied: bool) -> int:
+        """Publish the copies in the host (after they are complete) and unpin."""
+        self.index.unpin(batch.rows)
+        done = 0
+        for rows, slots, size in batch.placed:
+            if copied:
+                self.index.add_tier(rows, Tier.HOST, slots)
+                done += len(rows)
+            else:
+                self.host.free(size, slots.tolist())
+        return done
+
+    def copy_down(self, rows: np.ndarray) -> int:
+        """Copy device entries to the host now (the eviction fallback, under the lock)."""
+        batch = self.begin_copy_down(rows)
+        if batch is None:
+            return 0
+        copied = False
+        try:
+            self.copy(batch)
+            copied = True
+        finally:
+            done = self.end_copy_down(batch, copied)
+        return done

@@ -123,11 +123,13 @@ class CudaTransfer:
         self.device = device
         self._streams = streams
         self._tables: dict[int, tuple[Sequence[torch.Tensor], Any]] = {}  # by id of the buffers
+        self._slabs: dict[int, tuple[torch.Tensor]] = {}  # arena slabs seen as buffers
 
     @classmethod
     def open(cls, device: torch.device) -> "CudaTransfer":
         with torch.cuda.device(device):
-            return cls(device, {"store": torch.cuda.Stream(), "load": torch.cuda.Stream()})
+            return cls(device, {"store": torch.cuda.Stream(), "load": torch.cuda.Stream(),
+                                "move": torch.cuda.Stream()})
 
     def wait_for(self, event: torch.cuda.Event | None, direction: str) -> None:
         """Order this direction's next copies after `event` (the worker's own work)."""
@@ -149,17 +151,21 @@ class CudaTransfer:
     def _launch(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int], rows: np.ndarray,
                 parts: Sequence[SlabPart], to_slots: bool) -> None:
         """One launch for every part: slot addresses may lie in any slab, any memory."""
-        from tiercache.kernels import copy_rows
         if not parts:
             return
         addresses = np.concatenate([p.slab.data_ptr() + p.local.astype(np.int64) * p.slab.stride(0)
                                     for p in parts])
-        entry_rows = np.concatenate([rows[p.positions] for p in parts]).astype(np.int64)
-        stream = self._streams["store" if to_slots else "load"]
+        entry_rows = np.concatenate([rows[p.positions] for p in parts])
+        self._run(buffers, offsets, entry_rows, addresses, to_slots, "store" if to_slots else "load")
+
+    def _run(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int], rows: np.ndarray,
+             addresses: np.ndarray, to_slots: bool, direction: str) -> None:
+        from tiercache.kernels import copy_rows  # Triton only where there is a GPU
+        stream = self._streams[direction]
         table = self._table(buffers, offsets)
         with torch.cuda.stream(stream):
-            meta = torch.from_numpy(np.stack([entry_rows, addresses])).pin_memory()
-            on_device = meta.to(self.device, non_blocking=True)
+            meta = torch.from_numpy(np.stack([rows.astype(np.int64), addresses.astype(np.int64)]))
+            on_device = meta.pin_memory().to(self.device, non_blocking=True)
             copy_rows(table, on_device[0], on_device[1], to_slots, stream)
 
     def gather(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
@@ -169,6 +175,15 @@ class CudaTransfer:
     def scatter(self, parts: Sequence[SlabPart], buffers: Sequence[torch.Tensor],
                 offsets: Sequence[int], rows: np.ndarray) -> None:
         self._launch(buffers, offsets, rows, parts, to_slots=False)
+
+    def copy_entries(self, parts: Sequence[SlabPart], addresses: np.ndarray) -> None:
+        """Copy whole entries from slots of this GPU's arena (`parts`) to the slots at
+        `addresses` (in host memory, usually), on the "move" stream: one launch per slab,
+        the slab seen as a buffer whose rows are its slots."""
+        for part in parts:
+            slab = (part.slab,)  # kept as one tuple object per slab: the table cache's key
+            slab = self._slabs.setdefault(part.slab.data_ptr(), slab)
+            self._run(slab, [0], part.local, addresses[part.positions], True, "move")
 
     def fence(self, direction: str, interprocess: bool = False) -> torch.cuda.Event:
         """An event that completes when every copy launched so far in `direction` has."""

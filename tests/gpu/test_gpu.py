@@ -28,15 +28,16 @@ def finish(process: subprocess.Popen) -> str:
 
 
 @pytest.mark.parametrize("row_bytes, buffers", [(2048, 64), (16384, 24), (262144, 8), (2 << 20, 1)])
-def test_bytes_round_trip_through_host_and_disk(tmp_path, row_bytes, buffers):
-    # a host tier too small for all prompts: the first ones go to disk and come back
-    prompts = 6
-    entry = row_bytes * buffers
-    host = 3 * 8 * entry + 4 * row_bytes  # three prompts' pages and a few checkpoints
-    with running_daemon(tmp_path, "--host-budget", str(host), "--disk-map-size", "4GiB") as (address, _):
+def test_bytes_round_trip_through_device_host_and_disk(tmp_path, row_bytes, buffers):
+    # tiers too small for all six prompts: the newest stay on the device, older ones go
+    # down to the host, the oldest to disk, and every one comes back exact
+    prompts, prompt_bytes = 6, 8 * row_bytes * buffers + row_bytes
+    flags = ["--device-budget", str(2 * prompt_bytes), "--host-budget", str(3 * prompt_bytes),
+             "--disk-map-size", "4GiB"]
+    with running_daemon(tmp_path, *flags) as (address, _):
         out = finish(worker("roundtrip", address, "1", str(row_bytes), str(buffers), str(prompts)))
         assert out.startswith("ok"), out
-        assert "HOST" in out and "DISK" in out, out
+        assert {"DEVICE", "HOST", "DISK"} <= set(out.split()), out
 
 
 def test_the_worker_stream_reads_the_load_without_a_host_sync(tmp_path):

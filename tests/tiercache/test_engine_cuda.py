@@ -9,6 +9,7 @@ from tiercache.buffers import WorkerBuffers
 from tiercache.engine import Engine, EngineConfig
 from tiercache.index import Tier
 from tiercache.policy import PolicyConfig, WriteConfig
+from tiercache.tiers.device import DeviceConfig
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
 from tests.tiercache.helpers import hybrid_layout, prompt_keys, random_buffers
@@ -99,4 +100,52 @@ def test_a_match_promotes_in_the_background_before_a_gpu_load(tmp_path):
     loaded = engine.load(dest, keys, range(30, 35), slot=2)
     assert loaded.bytes_from == {Tier.HOST: 5 * LAYOUT.page_bytes + LAYOUT.checkpoint_bytes}
     assert same(rows_of(dest, range(30, 35)), rows_of(source, range(5)))
+    engine.close()
+
+
+def open_with_device(device_bytes, tmp_path=None):
+    disk = DiskConfig(str(tmp_path), map_size=1 << 26, sync=False) if tmp_path else None
+    return Engine.open(EngineConfig(host=HostConfig(budget_bytes=1 << 22, pin=True), disk=disk,
+                                    device=DeviceConfig(budget_bytes=device_bytes)))
+
+
+def test_stores_land_in_the_device_tier_and_go_down_to_the_host_behind():
+    engine = open_with_device(1 << 22)
+    source, dest = on_gpu(1), on_gpu(2)
+    keys = prompt_keys(LAYOUT, seed=1, pages=6)
+    # 1. the store is a device-to-device copy: every entry is in the device tier at once
+    assert engine.store(source, keys, range(6), {6: 0}).stored == 7
+    assert engine.stats().tiers[0].tier == Tier.DEVICE and engine.stats().tiers[0].entries == 7
+    # 2. a load by a worker on the same GPU reads the device copies
+    loaded = engine.load(dest, keys, range(10, 16), slot=3)
+    assert loaded.bytes_from == {Tier.DEVICE: 6 * LAYOUT.page_bytes + LAYOUT.checkpoint_bytes}
+    assert same(rows_of(dest, range(10, 16)), rows_of(source, range(6)))
+    assert same(state_of(dest, 3), state_of(source, 0))
+    # 3. the background thread copies every entry down to the host
+    engine.moving.drain()
+    host = [t for t in engine.stats().tiers if t.tier == Tier.HOST][0]
+    assert host.entries == 7 and engine.stats().counters["copied_down"] == 7
+    engine.close()
+
+
+def test_a_small_device_tier_pushes_older_prompts_down_and_every_load_is_exact(tmp_path):
+    # room for about one prompt on the device: the others live in the host (or on disk)
+    engine = open_with_device(8 * LAYOUT.page_bytes + 2 * LAYOUT.checkpoint_bytes, tmp_path)
+    source, dest = on_gpu(1), on_gpu(2)
+    prompts = [prompt_keys(LAYOUT, seed=n, pages=6) for n in range(5)]
+    for n, keys in enumerate(prompts):
+        engine.store(source, keys, range(6 * n, 6 * n + 6), {6: n})
+    tiers = set()
+    for n, keys in enumerate(prompts):
+        result = engine.load(dest, keys, range(40, 46), slot=7)
+        tiers |= set(result.bytes_from)
+        assert result.match.pages == 6
+        assert same(rows_of(dest, range(40, 46)), rows_of(source, range(6 * n, 6 * n + 6)))
+        assert same(state_of(dest, 7), state_of(source, n))
+    assert Tier.DEVICE in tiers and Tier.HOST in tiers
+    # closing writes everything down to disk; a new engine serves it from there
+    engine.close()
+    engine = open_with_device(1 << 22, tmp_path)
+    assert engine.load(dest, prompts[0], range(40, 46), slot=7).bytes_from.keys() == {Tier.DISK}
+    assert same(rows_of(dest, range(40, 46)), rows_of(source, range(6)))
     engine.close()

@@ -1,0 +1,41 @@
+"""The device tier: a slot arena in GPU memory, owned by the daemon, on the GPU of the
+workers it serves. Stores land here first (a device-to-device copy), so a worker's rows
+are free again at once; the background thread copies each entry down to the host soon
+after, so that evicting it from the device later costs nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiercache.errors import InvalidArgument
+from tiercache.tiers.arena import SlotArena
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    budget_bytes: int = 4 * GiB
+    slab_bytes: int = 1 * GiB
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes <= 0 or self.slab_bytes <= 0:
+            raise InvalidArgument("device budget_bytes and slab_bytes must be positive")
+
+
+class DeviceMemory:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def allocate(self, slots: int, slot_bytes: int) -> torch.Tensor:
+        return torch.empty((slots, slot_bytes), dtype=torch.uint8, device=self.device)
+
+    def release(self, slab: torch.Tensor) -> None:
+        pass  # torch's allocator takes it back when the last view goes
+
+
+def device_arena(config: DeviceConfig, device: torch.device) -> SlotArena:
+    slab_bytes = max(1, min(config.slab_bytes, config.budget_bytes // 4))
+    return SlotArena(config.budget_bytes, slab_bytes, DeviceMemory(device))
