@@ -54,13 +54,14 @@ import torch
 from benchmarks.common import print_summary, print_table
 from benchmarks.device_prefix_cache import DevicePrefixCache
 from benchmarks.hybrid_model import CPU_SMALL, QWEN3_NEXT_8, ModelSize, build, clock
+from benchmarks.hybrid_reload import reload_row
 from service.config import parse_bytes
 from service.process import spawn
 from tiercache.client import Client, EmbeddedClient
 from tiercache.engine import EngineConfig
-from tiercache.index import Tier
 from tiercache.integrations.transformers import (
     AdapterConfig, CacheSpec, DynamicCache, HybridCacheAdapter)
+from tiercache.tiers.device import DeviceConfig
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
 
@@ -101,6 +102,7 @@ class Request:
     computed: int
     loaded: int
     token: int  # the first token
+    loaded_from: dict = dataclasses.field(default_factory=dict)  # bytes by tier
 
 
 def log(message: str) -> None:
@@ -148,25 +150,28 @@ def cached(adapter: HybridCacheAdapter, model: torch.nn.Module, prompt: torch.Te
     run = adapter.prefill(model, prompt, last_only=True)
     token = int(run.logits[0, -1].argmax())
     return Request(clock(prompt.device) - start, prompt.shape[1], run.computed_tokens,
-                   run.loaded_tokens, token)
+                   run.loaded_tokens, token, run.load.bytes_from)
 
 
 @contextmanager
-def tiercache(scale: Scale, model: torch.nn.Module, config: AdapterConfig,
+def tiercache(scale: Scale, model: torch.nn.Module, config: AdapterConfig, device_budget: int,
               embedded: bool) -> Iterator[tuple[HybridCacheAdapter, Client | EmbeddedClient]]:
-    """An adapter over a daemon process (or, with `embedded`, an engine in this process)
-    with a host tier of scale.host_budget and an LMDB disk tier in a temporary directory."""
+    """An adapter over a daemon process (or, with `embedded`, an engine in this process):
+    on a GPU a device tier of `device_budget`, a host tier of scale.host_budget, and an
+    LMDB disk tier in a temporary directory."""
     with tempfile.TemporaryDirectory(prefix="tiercache-bench-") as data_dir:
         if embedded:
             client = EmbeddedClient(EngineConfig(
                 host=HostConfig(budget_bytes=parse_bytes(scale.host_budget)),
+                device=DeviceConfig(budget_bytes=device_budget) if device_budget else None,
                 disk=DiskConfig(f"{data_dir}/lmdb", map_size=64 << 30, sync=False)))
             with HybridCacheAdapter.for_model(model, client, config) as adapter:
                 yield adapter, client
             client.close()
             return
-        with spawn(data_dir, "--host-budget", scale.host_budget, "--disk-map-size", "64GiB",
-                   "--no-disk-sync", "--no-flush-on-exit") as (address, _):
+        with spawn(data_dir, "--device-budget", str(device_budget), "--host-budget",
+                   scale.host_budget, "--disk-map-size", "64GiB", "--no-disk-sync",
+                   "--no-flush-on-exit") as (address, _):
             client = Client(address)
             with HybridCacheAdapter.for_model(model, client, config) as adapter:
                 yield adapter, client
@@ -192,56 +197,17 @@ def ttft_row(name: str, requests: list[Request], reference: list[Request]) -> li
     ttft = np.array([r.ttft for r in requests]) * 1e3
     prompt = sum(r.prompt_tokens for r in requests)
     same = sum(a.token == b.token for a, b in zip(requests, reference))
+    tiers: dict = {}
+    for r in requests:
+        for tier, nbytes in r.loaded_from.items():
+            tiers[tier] = tiers.get(tier, 0) + nbytes
+    loaded = sum(tiers.values())
     return [name, len(requests), float(ttft.mean()), float(np.percentile(ttft, 50)),
             float(np.percentile(ttft, 99)), sum(r.computed for r in requests),
             sum(r.loaded for r in requests) / prompt,
-            sum(r.loaded > 0 for r in requests) / len(requests), f"{same}/{len(requests)}"]
-
-
-# -- reload against recompute -------------------------------------------------------------
-def recompute(model: torch.nn.Module, prefix: torch.Tensor, chunk: int) -> tuple[float, object]:
-    cache = DynamicCache(config=model.config)
-    start = clock(prefix.device)
-    with torch.no_grad():
-        for at in range(0, prefix.shape[1], chunk):
-            model(input_ids=prefix[:, at:at + chunk], past_key_values=cache, use_cache=True,
-                  logits_to_keep=1)
-    return clock(prefix.device) - start, cache
-
-
-def same_cache(spec: CacheSpec, a, b) -> bool:
-    kv = all(torch.equal(getattr(a.layers[s.layer], part), getattr(b.layers[s.layer], part))
-             for s in spec.kv for part in ("keys", "values"))
-    return kv and all(torch.equal(getattr(a.layers[s.layer], f"{s.kind}_states")[s.index],
-                                  getattr(b.layers[s.layer], f"{s.kind}_states")[s.index])
-                      for s in spec.states)
-
-
-def reload_row(adapter: HybridCacheAdapter, model: torch.nn.Module, tokens: int,
-               scale: Scale, repeats: int) -> list:
-    """Recompute a random prefix, store it, then time loading it back into fresh caches."""
-    gen = torch.Generator().manual_seed(tokens)
-    prefix = torch.randint(0, model.config.vocab_size, (1, tokens), generator=gen).to(adapter.device)
-    times = []
-    for _ in range(1 if tokens == max(scale.reload_tokens) else repeats):  # the longest: once
-        seconds, cache = recompute(model, prefix, scale.recompute_chunk)
-        times.append(seconds)
-    adapter.store(prefix[0], cache)
-    loads, restored = [], None
-    for _ in range(repeats):
-        del restored  # the previous copy goes before the next arrives
-        start = clock(prefix.device)
-        restored = adapter.load(prefix[0])
-        loads.append(clock(prefix.device) - start)
-    if restored.tokens != tokens or set(restored.load.bytes_from) != {Tier.HOST}:
-        raise RuntimeError(f"the {tokens}-token prefix did not come back whole from the host "
-                           f"tier: {restored.tokens} tokens from {restored.load.bytes_from}")
-    exact = same_cache(adapter.spec, restored.cache, cache)
-    nbytes = sum(restored.load.bytes_from.values())
-    reload, prefill = statistics.median(loads), statistics.median(times)
-    log(f"reload {tokens} tokens: {1e3 * reload:.1f} ms, recompute {1e3 * prefill:.0f} ms")
-    return [tokens, 1e3 * prefill, 1e3 * reload, prefill / reload, nbytes / 2**20,
-            nbytes / reload / 1e9, "yes" if exact else "NO"]
+            sum(r.loaded > 0 for r in requests) / len(requests),
+            " ".join(f"{t.name.lower()} {n / loaded:.0%}" for t, n in sorted(tiers.items())) or "-",
+            f"{same}/{len(requests)}"]
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -288,15 +254,13 @@ def main() -> None:
     big = AdapterConfig(model_id, scale.page_tokens, longest, every, args.end_checkpoints)
     prompts = [p.to(device) for p in workload(scale, model.config.vocab_size, args.seed)]
     warmup = [p.to(device) for p in workload(scale, model.config.vocab_size, args.seed + 1000)[:2]]
-    with tiercache(scale, model, big, args.embedded) as (ours, client):
-        total = working_set(ours, prompts)
-        layout = ours.spec.layout(scale.page_tokens, small.max_pages)
-        budget = int(scale.gpu_cache_share * total)
-        gpu_only = HybridCacheAdapter(DevicePrefixCache(layout, budget, device), ours.spec, small,
-                                      ours.new_cache, device)
-        log(f"working set {total / 2**30:.2f} GiB; GPU-only cache budget {budget / 2**30:.2f} GiB; "
-            f"tiercache host tier {scale.host_budget}")
-        reloads = [reload_row(ours, model, n, scale, repeats=3) for n in scale.reload_tokens]
+    gpu_only, total = gpu_only_cache(model, small, scale, prompts)
+    budget = gpu_only.worker.budget
+    log(f"working set {total / 2**30:.2f} GiB; GPU budget (GPU-only cache, tiercache's device "
+        f"tier) {budget / 2**30:.2f} GiB; tiercache host tier {scale.host_budget}")
+    with tiercache(scale, model, big, budget, args.embedded) as (ours, client):
+        reloads = [reload_row(ours, client, model, n, scale.recompute_chunk, 3,
+                              1 if n == longest else 3) for n in scale.reload_tokens]
         systems = {"no cache": lambda p: no_cache(model, p),
                    "GPU-only cache": lambda p: cached(gpu_only, model, p),
                    "tiercache": lambda p: cached(ours, model, p)}
@@ -310,6 +274,21 @@ def main() -> None:
         print(f"peak GPU memory allocated: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
 
 
+def gpu_only_cache(model: torch.nn.Module, config: AdapterConfig, scale: Scale,
+                   prompts: list[torch.Tensor]) -> tuple[HybridCacheAdapter, int]:
+    """The GPU-only cache with a budget of scale.gpu_cache_share of the working set (found
+    with a cache of no budget, which only hashes and plans), and the working set."""
+    spec = CacheSpec.probe(model, lambda: DynamicCache(config=model.config))
+    layout = spec.layout(config.page_tokens, config.max_pages)
+    device = next(model.parameters()).device
+
+    def adapter(budget: int) -> HybridCacheAdapter:
+        return HybridCacheAdapter(DevicePrefixCache(layout, budget, device), spec, config,
+                                  lambda: DynamicCache(config=model.config), device)
+    total = working_set(adapter(0), prompts)
+    return adapter(int(scale.gpu_cache_share * total)), total
+
+
 def report(scale: Scale, device: torch.device, results: dict, reloads: list, budget: int,
            total: int, evicted: int) -> None:
     rows = [ttft_row(name, rs, results["no cache"]) for name, rs in results.items()]
@@ -320,19 +299,21 @@ def report(scale: Scale, device: torch.device, results: dict, reloads: list, bud
                 f"{scale.system_tokens} + question {scale.question_tokens} tokens, "
                 f"{scale.model.name}, {str(scale.dtype).removeprefix('torch.')}, {device.type})",
                 ["system", "requests", "TTFT mean ms", "p50 ms", "p99 ms", "vs no cache",
-                 "prefill tokens", "token hit rate", "request hits", "1st token = no cache"],
+                 "prefill tokens", "token hit rate", "request hits", "loaded from",
+                 "1st token = no cache"],
                 rows + [["SGLang radix cache (seed 001)", 500, "", "", "", SGLANG_TTFT_RATIO,
-                         "", "", "", ""]])
-    print(f"GPU-only cache: budget {budget / 2**30:.2f} GiB = {scale.gpu_cache_share:.0%} of the "
-          f"working set ({total / 2**30:.2f} GiB), {evicted} entries evicted")
-    print_table(f"reload vs recompute ({scale.name}: host tier -> fresh cache, against a chunked "
-                f"prefill of {scale.recompute_chunk} tokens a pass)",
-                ["prefix tokens", "recompute ms", "reload ms", "speedup", "MiB", "reload GB/s",
-                 "bit-exact"], reloads)
+                         "", "", "", "", ""]])
+    print(f"GPU budget: {budget / 2**30:.2f} GiB = {scale.gpu_cache_share:.0%} of the working set "
+          f"({total / 2**30:.2f} GiB) for the GPU-only cache ({evicted} entries evicted) and for "
+          f"tiercache's device tier (GPU only), beside its host tier of {scale.host_budget}")
+    print_table(f"reload vs recompute ({scale.name}: a stored prefix into a fresh cache, against "
+                f"a chunked prefill of {scale.recompute_chunk} tokens a pass)",
+                ["prefix tokens", "recompute ms", "device tier ms", "host tier ms",
+                 "speedup (host)", "MiB", "host GB/s", "bit-exact"], reloads)
     ratio = rows[2][2] / base
     print_summary(scale=scale.name, ttft_ratio=ratio, ttft_ratio_gpu_only=rows[1][2] / base,
                   hit_rate_tiercache=rows[2][7], hit_rate_gpu_only=rows[1][7],
-                  reload_speedup_32k=reloads[1][3], reload_32k_tokens=reloads[1][0],
+                  reload_speedup_32k=reloads[1][4], reload_32k_tokens=reloads[1][0],
                   sglang_ttft_ratio=SGLANG_TTFT_RATIO)
 
 
