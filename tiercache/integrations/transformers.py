@@ -111,11 +111,14 @@ class Prefill:
         return sum(self.chunks)
 
 
-def _miss(prompt_pages: int) -> Match:
-    return Match(0, 0, prompt_pages, b"", None, StopReason.MISSING_PAGE)
+# A prompt under one full page has no key: nothing is asked for (a daemon refuses empty prompts).
+_MISS = Match(0, 0, 0, b"", None, StopReason.MISSING_PAGE)
 
 
 class HybridCacheAdapter:
+    """Prefixes of one model's cache through a registered tiercache worker: `prefill`,
+    or `load` and `store` for callers that run the model themselves."""
+
     def __init__(self, worker: Connection, spec: CacheSpec, config: AdapterConfig,
                  new_cache: Callable[[], Cache], device: torch.device | str) -> None:
         expected = spec.layout(config.page_tokens, config.max_pages)
@@ -162,11 +165,11 @@ class HybridCacheAdapter:
 
     def match(self, tokens: Any) -> Match:
         keys = self.keys(tokens)
-        return self.worker.match(keys=keys) if keys else _miss(0)
+        return self.worker.match(keys=keys) if keys else _MISS
 
     def _load(self, keys: list[PageKey]) -> LoadResult:
-        if not keys:  # under one page: nothing to ask for (a daemon refuses empty prompts)
-            return LoadResult(_miss(0), {}, 0)
+        if not keys:
+            return LoadResult(_MISS, {}, 0)
         rows = range(len(keys)) if self.layout.needs_pages else ()
         slot = 0 if self.layout.needs_checkpoint else None
         return self.worker.load(keys=keys, kv_rows=rows, slot=slot)
