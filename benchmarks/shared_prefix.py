@@ -259,8 +259,8 @@ def main() -> None:
     log(f"working set {total / 2**30:.2f} GiB; GPU budget (GPU-only cache, tiercache's device "
         f"tier) {budget / 2**30:.2f} GiB; tiercache host tier {scale.host_budget}")
     with tiercache(scale, model, big, budget, args.embedded) as (ours, client):
-        reloads = [reload_row(ours, client, model, n, scale.recompute_chunk, 3,
-                              1 if n == longest else 3) for n in scale.reload_tokens]
+        reloads = [reload_or_why(ours, client, model, n, scale.recompute_chunk,
+                                 1 if n == longest else 3) for n in scale.reload_tokens]
         systems = {"no cache": lambda p: no_cache(model, p),
                    "GPU-only cache": lambda p: cached(gpu_only, model, p),
                    "tiercache": lambda p: cached(ours, model, p)}
@@ -272,6 +272,16 @@ def main() -> None:
         f"{name} {t.entries} entries, {t.used_bytes / 2**30:.2f} GiB" for name, t in tiers.items()))
     if device.type == "cuda":
         print(f"peak GPU memory allocated: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+
+
+def reload_or_why(adapter: HybridCacheAdapter, client, model: torch.nn.Module, tokens: int,
+                  chunk: int, prefills: int) -> list:
+    """A reload row, or what went wrong in its place: one failure costs the row, not the run."""
+    try:
+        return reload_row(adapter, client, model, tokens, chunk, 3, prefills)
+    except Exception as error:  # noqa: BLE001 (reported in the table and on stderr)
+        log(f"reload of {tokens} tokens failed: {error!r}")
+        return [tokens, "", "", f"failed: {type(error).__name__}", float("nan"), "", "", ""]
 
 
 def gpu_only_cache(model: torch.nn.Module, config: AdapterConfig, scale: Scale,
