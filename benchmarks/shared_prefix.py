@@ -12,26 +12,31 @@ answers SGLang decoded are skipped, since decoding does not depend on where the 
 came from.
 
 Three systems take each prompt in turn, so that machine noise falls on all three:
-- no cache: one forward pass over the whole prompt;
+- no cache: one forward pass over the whole prompt (no chunking: the fastest prefill);
 - GPU-only cache: `DevicePrefixCache` (device_prefix_cache.py), KV pages and states in
-  the worker's own memory, LRU, with a budget of a tenth of the working set (every
+  the worker's own memory, LRU, with a budget B of a tenth of the working set (every
   distinct page and checkpoint the workload stores), so that it must evict;
-- tiercache: a daemon process (a host tier that holds the working set, an LMDB disk
-  tier), the worker's staging rows on its GPU by CUDA IPC (POSIX shared memory on a CPU).
+- tiercache: a daemon process with a device tier of the same B on the worker's GPU, a
+  host tier that holds the working set and an LMDB disk tier; the worker's staging rows
+  are on its GPU, shared by CUDA IPC (POSIX shared memory on a CPU, no device tier).
 Both caches are filled by the same `HybridCacheAdapter.prefill`: forward passes end at a
-checkpoint every C tokens (chunked prefill), at the last full page and at the page before
-the final token, and a hit loads the deepest cached checkpoint. S is a multiple of C, so
-a group's later prompts hit its whole system prompt; where S is not, hits stop up to
-C - 1 tokens short (RESULTS.md).
+checkpoint every C tokens (chunked prefill) and at the prompt's end, and a hit loads the
+deepest cached checkpoint. S is a multiple of C, so a group's later prompts hit its whole
+system prompt; where S is not, hits stop up to C - 1 tokens short. The prompts are
+single-turn, so the checkpoints at each prompt's last full page and the page before (one
+more forward pass a request, for prompts that come back extended or repeated) are off;
+`--end-checkpoints` turns them on.
 
-Reload against recompute: a prefix of N tokens, stored in tiercache's host tier, loaded
-into a fresh transformers cache (match, copy into the staging rows, rebuild the cache)
-against prefilling it in chunks. The loaded cache is checked bit for bit against the
-computed one.
+Reload against recompute (benchmarks/hybrid_reload.py): a prefix of N tokens stored
+through the adapter and loaded into a fresh transformers cache (match, copy into the
+staging rows, rebuild the cache), from the device tier and then from the host tier,
+against prefilling it in chunks. Loaded caches are checked bit for bit.
 
-Scales (`SCALES`): `full` and `quick` run `QWEN3_NEXT_8` in bf16 (benchmarks/hybrid_model.py);
-`cpu` scales everything down (a small model in fp32, 4 x 10 prompts, S = 1024, prefixes of
-N/8) and its figures only show that the path works.
+Scales (`SCALES`): `full` (50 x 10, S = 10,240, Q = 256, C = 2048, N = 4k, 32k, 128k) and
+`quick` (10 x 5, N = 4k, 32k) run `QWEN3_NEXT_8` in bf16 (benchmarks/hybrid_model.py);
+`cpu` scales everything down (a small model in fp32, 4 x 10 prompts, S = 1024, Q = 32,
+C = 256, N = 512, 4k, 16k) and its figures only show that the path works. Progress goes
+to stderr.
 """
 
 from __future__ import annotations
