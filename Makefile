@@ -42,7 +42,8 @@ test-gpu:  ## on a GPU machine: GPU tests, then the whole suite (no network need
 bench-gpu:  ## on a GPU machine: benchmarks.gpu_transfer (BENCHES="..." for others, BENCH_ARGS="..." to them)
 	bash scripts/bench-gpu.sh
 
-WHEELS := lmdb==3.0.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1
+WHEELS := lmdb==3.0.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
+  grpcio-reflection==1.85.1 prometheus-client==0.26.0 pyyaml==6.0.3
 wheels:  ## what a GPU machine without network needs beside its torch, into .whl (Python 3.12)
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \

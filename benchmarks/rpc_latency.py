@@ -57,8 +57,9 @@ def hammer(address: str, worker_id: str, keys: bytes, ready, go, counts) -> None
 
 
 def throughput(address: str, worker_id: str, keys: bytes) -> float:
-    ready, go, counts = multiprocessing.Semaphore(0), multiprocessing.Event(), multiprocessing.Queue()
-    clients = [multiprocessing.Process(target=hammer, args=(address, worker_id, keys, ready, go, counts))
+    context = multiprocessing.get_context("spawn")  # forking a process with gRPC threads can hang
+    ready, go, counts = context.Semaphore(0), context.Event(), context.Queue()
+    clients = [context.Process(target=hammer, args=(address, worker_id, keys, ready, go, counts))
                for _ in range(CLIENTS)]
     for c in clients:
         c.start()

@@ -176,7 +176,7 @@ def tiercache(scale: Scale, model: torch.nn.Module, config: AdapterConfig, devic
             return
         with spawn(data_dir, "--device-budget", str(device_budget), "--host-budget",
                    scale.host_budget, "--disk-map-size", "64GiB", "--no-disk-sync",
-                   "--no-flush-on-exit") as (address, _):
+                   "--no-flush-on-exit", forward_output=True) as (address, _):
             client = Client(address)
             with HybridCacheAdapter.for_model(model, client, config) as adapter:
                 yield adapter, client

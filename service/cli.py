@@ -1,13 +1,13 @@
-"""`tiercache serve`: the daemon's command line."""
+"""`tiercache serve` (the daemon) and `tiercache stats` (its state as a table)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from dataclasses import fields
 
 from service import config as service_config
+from service import logs, stats_cli
 from service.server import serve
 from tiercache.errors import TiercacheError
 
@@ -17,11 +17,14 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="run the daemon until SIGTERM or Ctrl-C")
     service_config.add_flags(serve_parser)
+    stats_cli.add_parser(commands)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "stats":
+        return stats_cli.run(args)
     flags = {f.name: getattr(args, f.name) for f in fields(service_config.ServiceConfig)}
     try:
         config = service_config.load(args.config, flags=flags)
+        logs.setup(config.log_format, config.log_level)
         return serve(config)
     except (TiercacheError, RuntimeError, OSError) as error:
         print(f"tiercache: {error}", file=sys.stderr)

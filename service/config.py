@@ -49,6 +49,12 @@ class ServiceConfig:
     max_prompt_pages: int = 1 << 16  # keys in one request
     grace_seconds: float = 10.0  # for in-flight calls at shutdown
     flush_on_exit: bool = True  # write host entries to disk when stopping
+    # operations: metrics, probes, logs (README: Operations)
+    metrics_address: str = "127.0.0.1:9477"  # Prometheus /metrics; "" = off, port 0 = any free
+    health_address: str = ""  # host:port serving gRPC health only, for Kubernetes probes
+    drain_seconds: float = 0.0  # NOT_SERVING but still answering, this long after SIGTERM
+    log_format: str = "text"  # text or json (one object a line)
+    log_level: str = "info"
 
     @property
     def socket_path(self) -> str:
@@ -68,7 +74,27 @@ class ServiceConfig:
                 raise InvalidArgument(f"{name} must be positive, got {getattr(self, name)}")
         self.engine()  # the engine's own checks
         make_policy(self.policy)
+        self._check_operations()
         return self
+
+    def _check_operations(self) -> None:
+        for name in ("metrics_address", "health_address"):
+            if getattr(self, name):
+                host_port(getattr(self, name), name)
+        if self.drain_seconds < 0:
+            raise InvalidArgument(f"drain_seconds must be 0 or more, got {self.drain_seconds}")
+        if self.log_format not in ("text", "json"):
+            raise InvalidArgument(f"log_format={self.log_format!r}: use text or json")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise InvalidArgument(f"log_level={self.log_level!r}: use debug, info, warning or error")
+
+
+def host_port(address: str, setting: str) -> tuple[str, int]:
+    """"127.0.0.1:9477", "[::1]:9477", "0.0.0.0:0" -> (host, port)."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or int(port) > 65535:
+        raise InvalidArgument(f"{setting}={address!r} is not host:port: write e.g. 127.0.0.1:9477")
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 _SIZES = {"host_budget", "device_budget", "disk_map_size", "max_message_bytes"}

@@ -13,14 +13,17 @@ from typing import IO, Iterator
 
 
 @contextmanager
-def spawn(data_dir: str | Path, *flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
+def spawn(data_dir: str | Path, *flags: str,
+          forward_output: bool = False) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start `tiercache serve` on a socket in `data_dir`, wait until it listens, yield its
-    address; SIGTERM (orderly stop) at the end. What the daemon prints after its first line
-    goes on to this process's stderr: left in the pipe, it would block the daemon once the
-    pipe is full."""
+    address; SIGTERM (orderly stop) at the end. Metrics go to a free port (several
+    daemons may run at once); `process.startup_line` is the line that says where.
+    What the daemon prints after that stays in its pipe for the caller to read, or, with
+    `forward_output`, goes on to this process's stderr: a long run must take it, since a
+    daemon whose pipe is full blocks on its next log line."""
     socket = Path(data_dir) / "tiercache.sock"
     command = [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data_dir),
-               "--socket", str(socket), *flags]
+               "--socket", str(socket), "--metrics-address", "127.0.0.1:0", *flags]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert process.stdout is not None
@@ -28,15 +31,18 @@ def spawn(data_dir: str | Path, *flags: str) -> Iterator[tuple[str, subprocess.P
     if "listening" not in first:
         process.kill()
         raise RuntimeError(f"the daemon did not start: {first}{process.stdout.read()}")
+    process.startup_line = first  # type: ignore[attr-defined]
     forward = threading.Thread(target=_forward, args=(process.stdout,), daemon=True)
-    forward.start()
+    if forward_output:
+        forward.start()
     try:
         yield f"unix:{socket}", process
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=60)
-        forward.join(timeout=5)  # its last lines out before the caller's stderr may go
+        if forward_output:
+            forward.join(timeout=5)  # its last lines out before the caller's stderr may go
 
 
 def _forward(output: IO[str]) -> None:

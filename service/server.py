@@ -1,9 +1,9 @@
 """Starting and stopping the daemon: engine, gRPC server, health, signals.
 
 Shutdown order on SIGTERM or SIGINT: health goes NOT_SERVING (load balancers and
-probes stop sending work), the server stops accepting calls and gives those in flight
-`grace_seconds`, registrations end, and the engine flushes its host tier to LMDB and
-closes it.
+probes stop sending work) while calls are still answered for `drain_seconds`, the
+server stops accepting calls and gives those in flight `grace_seconds`, registrations
+end, and the engine flushes its host tier to LMDB and closes it.
 """
 
 from __future__ import annotations
@@ -13,15 +13,22 @@ import os
 import signal
 import socket
 import threading
+import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
+import prometheus_client
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from service.config import ServiceConfig
+from service.endpoints import Endpoints
 from service.errors import ErrorInterceptor
+from service.logs import redacted
+from service.metrics import registry_for
+from service.observe import ObservingInterceptor
 from service.servicer import TiercacheServicer
 from service.workers import WorkerRegistry
 from tiercache.engine import Engine
@@ -29,6 +36,9 @@ from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tiercache.service")
 SERVICE_NAME = "tiercache.v1.Tiercache"
+# what reflection lists, for grpcurl and friends
+REFLECTED = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME)
 
 
 @dataclass
@@ -39,12 +49,16 @@ class Daemon:
     servicer: TiercacheServicer
     health: health.HealthServicer
     addresses: list[str]
+    endpoints: Endpoints = field(default_factory=Endpoints)  # metrics, health-only listener
 
     def stop(self) -> None:
         self.health.enter_graceful_shutdown()  # every service NOT_SERVING, from now on
+        time.sleep(self.config.drain_seconds)  # for probes that poll: calls still answered
         self.servicer.stopping.set()
         self.server.stop(self.config.grace_seconds).wait()
+        self.endpoints.stop_health()
         self.servicer.registry.remove_all()
+        self.endpoints.stop_metrics()  # it reads the engine, which closes now
         self.engine.close(flush=self.config.flush_on_exit)
         if os.path.exists(self.config.socket_path):
             os.unlink(self.config.socket_path)
@@ -70,17 +84,20 @@ def start(config: ServiceConfig) -> Daemon:
     engine = Engine.open(config.engine())
     registry = WorkerRegistry(config.max_workers, engine.quiesce)
     servicer = TiercacheServicer(engine, registry, config.max_prompt_pages)
+    metrics, call_metrics = registry_for(engine, registry.__len__, registry.ipc_allocations)
     # every registered worker holds one stream (and one thread) open for its lifetime
     calls = config.max_concurrent_rpcs + config.max_workers
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=calls, thread_name_prefix="tiercache-rpc"),
-        interceptors=[ErrorInterceptor()], maximum_concurrent_rpcs=calls,
+        interceptors=[ObservingInterceptor(call_metrics), ErrorInterceptor()],
+        maximum_concurrent_rpcs=calls,
         options=[("grpc.max_receive_message_length", config.max_message_bytes),
                  ("grpc.max_send_message_length", config.max_message_bytes),
                  ("grpc.so_reuseport", 0)])
     pb_grpc.add_TiercacheServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(REFLECTED, server)
     addresses = [_bind_socket(server, config.socket_path)]
     if config.tcp:
         if not server.add_insecure_port(config.tcp):
@@ -89,7 +106,13 @@ def start(config: ServiceConfig) -> Daemon:
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return Daemon(config, engine, server, servicer, health_servicer, addresses)
+    daemon = Daemon(config, engine, server, servicer, health_servicer, addresses)
+    try:
+        daemon.endpoints = Endpoints.start(config, metrics, health_servicer)
+    except BaseException:
+        daemon.stop()
+        raise
+    return daemon
 
 
 def _bind_socket(server: grpc.Server, path: str) -> str:
@@ -107,17 +130,28 @@ def serve(config: ServiceConfig) -> int:
     # Copies run on the engine's own few threads; torch's OpenMP pool would only spin
     # between them and take CPU from the gRPC threads and the workers next door.
     torch.set_num_threads(1)
+    # the text format would show each counter's creation time as a gauge of its own
+    prometheus_client.disable_created_metrics()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     daemon = start(config)
-    stats = daemon.engine.stats()
-    log.info("tiercache listening on %s (host budget %d bytes, data in %s, %d cached entries)",
-             " and ".join(daemon.addresses), config.host_budget, os.path.abspath(config.data_dir),
-             sum(t.entries for t in stats.tiers if t.tier.name == "DISK"))
-    print(f"tiercache listening on {' and '.join(daemon.addresses)}", flush=True)
+    _announce(daemon)
     stop.wait()
     log.info("stopping: health NOT_SERVING, %.0f s grace for calls in flight", config.grace_seconds)
     daemon.stop()
     log.info("stopped")
     return 0
+
+
+def _announce(daemon: Daemon) -> None:
+    """The one startup line: where the daemon listens and its effective configuration."""
+    where, doors = " and ".join(daemon.addresses), daemon.endpoints
+    disk = sum(t.entries for t in daemon.engine.stats().tiers if t.tier.name == "DISK")
+    log.info("tiercache listening on %s", where, extra={"data": {
+        "addresses": daemon.addresses, "metrics": doors.metrics_url or "off",
+        "health": doors.health_address or "off", "disk_entries": disk,
+        "data_dir": os.path.abspath(daemon.config.data_dir), "config": redacted(daemon.config)}})
+    if daemon.config.log_format == "text":  # for people; JSON output stays JSON only
+        metrics = f"; metrics on {doors.metrics_url}" if doors.metrics_url else ""
+        print(f"tiercache listening on {where}{metrics}", flush=True)

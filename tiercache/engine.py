@@ -28,6 +28,7 @@ from tiercache.hashing import Keys, key_array
 from tiercache.index import Hit, Index, Kind, Match, StopReason, Tier
 from tiercache.keymap import KeyMap
 from tiercache.layout import Layout
+from tiercache.metrics import Traffic, byte_counters, count_match, match_counters
 from tiercache.movement import Group, Movement, Transfer
 from tiercache.policy import PolicyConfig, make_policy
 from tiercache.results import EngineStats, LoadResult, StoreResult, TierStats
@@ -78,14 +79,18 @@ class Engine:
         self._inflight = (KeyMap(), KeyMap())  # by Kind: entries a store is writing now
         self._closing = self._closed = False
         self.counters: dict[str, int] = dict.fromkeys(
-            ["matches", "matched_pages", "stored_pages", "stored_checkpoints", "skipped_entries",
-             "declined_checkpoints", "loads", "loaded_pages", "demoted", "disk_writes", "promoted",
-             "prefetches", "promotion_waits", "evicted_device", "evicted_host", "evicted_disk",
-             "copied_down", "regrets"], 0)
+            ["matches", "matched_pages", "stored_pages", "stored_checkpoints", "skipped_pages",
+             "skipped_checkpoints", "declined_checkpoints", "loads", "loaded_pages", "demoted",
+             "disk_writes", "promoted", "prefetches", "promotion_waits", "copied_down", "regrets",
+             # evictions: by the policy, by Evict calls, of damaged entries
+             *(f"evicted_{tier}{why}" for tier in ("device", "host", "disk")
+               for why in ("", "_by_request", "_damaged"))], 0)
+        self.counters.update(match_counters())
+        self.traffic = Traffic()  # bytes and copy times per hop
         policy = config.policy
         self.tuner = AlphaTuner(policy.alpha, self.counters) if policy.tune_alpha else None
         self.tiers = Tiering(index, host, disk, make_policy(policy), self.counters,
-                             config.evict_slack, self._lock, self.tuner)
+                             config.evict_slack, self._lock, self.tuner, self.traffic)
         self.moving = Movement(self.tiers, self.transfer, policy.writes, self._lock, self.counters)
 
     @classmethod
@@ -324,9 +329,9 @@ class Engine:
         finally:
             with self._lock:
                 self._inflight[group.kind].delete(claimed)
-                counter = "stored_pages" if group.kind == Kind.PAGE else "stored_checkpoints"
-                self.counters[counter] += stored
-                self.counters["skipped_entries"] += len(todo) - stored
+                kind = "pages" if group.kind == Kind.PAGE else "checkpoints"
+                self.counters["stored_" + kind] += stored
+                self.counters["skipped_" + kind] += len(todo) - stored
         if len(todo) and not stored:
             raise ResourceExhausted(
                 f"no room in the {tier.name.lower()} tier for a {group.nbytes}-byte entry (budget "
@@ -355,9 +360,11 @@ class Engine:
 
     def _gather(self, group: Group, src: np.ndarray, slots: np.ndarray, arena: SlotArena) -> None:
         """Copy worker rows into arena slots; returns once the worker may reuse the rows."""
-        group.transfer.gather(group.buffers, group.offsets, src,
-                              list(arena.pool(group.nbytes).parts(slots)))
-        group.transfer.fence("store").synchronize()  # this batch only, not the device
+        place = "device" if arena is self.tiers.device else "host"
+        with self.traffic.timed("worker", place, len(src) * group.nbytes):
+            group.transfer.gather(group.buffers, group.offsets, src,
+                                  list(arena.pool(group.nbytes).parts(slots)))
+            group.transfer.fence("store").synchronize()  # this batch only, not the device
 
     # -- match and load -----------------------------------------------------------------
     def match(self, layout: Layout, keys: Keys, prefetch: bool = False) -> Match:
@@ -368,6 +375,7 @@ class Engine:
             hit = self._match(layout, key_array(keys))
             self.counters["matches"] += 1
             self.counters["matched_pages"] += hit.match.pages
+            count_match(self.counters, hit.match, layout.page_tokens)
             if prefetch and hit.match.pages:
                 self.counters["prefetches"] += self.moving.start_promotion(hit.rows)
             return hit.match
@@ -457,6 +465,7 @@ class Engine:
                 dropped |= inside
                 if inside.any():
                     self.tiers.remove(rows[inside], t)
+                    self.counters[f"evicted_{t.name.lower()}_by_request"] += int(inside.sum())
             return int(dropped.sum())
 
     def stats(self) -> EngineStats:
@@ -469,7 +478,7 @@ class Engine:
             if self.disk is not None:
                 tiers.append(TierStats(Tier.DISK, self.index.count[Tier.DISK], self.disk.used_bytes,
                                        self.disk.budget_bytes))
-            counters = dict(self.counters)
+            counters = {**self.counters, **byte_counters(self.traffic.snapshot())}
             counters["checksum_failures"] = self.disk.checksum_failures if self.disk else 0
             alpha = getattr(self.tiers.policy, "alpha", None)
             return EngineStats(tuple(tiers), counters, alpha)

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -287,21 +288,16 @@ class Movement:
         damaged: list[int] = []
         promoted: list[tuple[Move, list[int], int]] = []  # (move, host slots, nbytes)
         staging: list[torch.Tensor] = []  # must outlive the copies that read it
+        copying = 0.0  # seconds spent scattering into the worker, disk reads left out
         try:
             self.await_moves(pinned)
             for group, entry_rows, dst in moves:
                 staged = self._stage(group, entry_rows, dst is not None, damaged, promoted)
                 if staged is None or dst is None:
                     continue
-                parts, counts, buffer = staged
-                staging.append(buffer)
-                transfer.scatter(parts, group.buffers, group.offsets, dst)
-                for tier, count in counts.items():
-                    if count:
-                        done.bytes_from[tier] = done.bytes_from.get(tier, 0) + count * group.nbytes
-            done.event = transfer.fence("load", interprocess=asynchronous)
-            if not asynchronous:
-                done.event.synchronize()
+                staging.append(staged[2])
+                copying += self._scatter(transfer, group, staged, dst, done)
+            self._fence(transfer, done, asynchronous, copying)
         except BaseException:
             transfer.synchronize()  # nothing may still read entries we are about to unpin
             raise
@@ -312,6 +308,37 @@ class Movement:
         if not asynchronous:
             done.event = None
         return done
+
+    def _scatter(self, transfer: Transfer, group: Group,
+                 staged: tuple[list[SlabPart], dict[Tier, int], Any], dst: np.ndarray,
+                 done: Delivery) -> float:
+        """Copy staged entries into the worker's rows, counting the bytes by the tier they
+        came from; returns the seconds the call took."""
+        parts, counts, _ = staged
+        start = time.perf_counter()
+        transfer.scatter(parts, group.buffers, group.offsets, dst)
+        for tier, count in counts.items():
+            if count:
+                done.bytes_from[tier] = done.bytes_from.get(tier, 0) + count * group.nbytes
+        return time.perf_counter() - start
+
+    def _fence(self, transfer: Transfer, done: Delivery, asynchronous: bool, copying: float) -> None:
+        """End a delivery's copies: wait for them, or hand back the event that marks them
+        done, and count the bytes by hop: device entries reach the worker from the device,
+        the rest from host memory (a host slot, or staging for a disk entry)."""
+        start = time.perf_counter()
+        done.event = transfer.fence("load", interprocess=asynchronous)
+        if not asynchronous:
+            done.event.synchronize()
+        seconds = None if asynchronous else copying + time.perf_counter() - start
+        from_device = done.bytes_from.get(Tier.DEVICE, 0)
+        from_host = sum(done.bytes_from.values()) - from_device
+        # one copy read both: its time belongs to neither hop alone, so it is not timed
+        if from_device and from_host:
+            seconds = None
+        for source, nbytes in (("device", from_device), ("host", from_host)):
+            if nbytes:
+                self.tiers.traffic.record(source, "worker", nbytes, seconds)
 
     def _settle(self, done: Delivery, pinned: np.ndarray, staging: list[torch.Tensor],
                 promoted: list[tuple[Move, list[int], int]], damaged: list[int],

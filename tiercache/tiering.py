@@ -10,6 +10,7 @@ and `write`, which touch pinned entries only and take the lock to make room.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 from tiercache.hashing import key_list
 from tiercache.index import Index, Kind, Tier
+from tiercache.metrics import Traffic
 from tiercache.policy import EvictionPolicy, FlopAware
 from tiercache.tiers.arena import SlotArena
 from tiercache.tiers.disk import DiskFull, DiskTier, as_array
@@ -46,7 +48,8 @@ class DownBatch:
 class Tiering:
     def __init__(self, index: Index, host: SlotArena, disk: DiskTier | None,
                  policy: EvictionPolicy, counters: dict[str, int], evict_slack: float,
-                 lock: threading.RLock, tuner: AlphaTuner | None = None) -> None:
+                 lock: threading.RLock, tuner: AlphaTuner | None = None,
+                 traffic: Traffic | None = None) -> None:
         self.index = index
         self.host = host
         self.disk = disk
@@ -55,6 +58,7 @@ class Tiering:
         self.evict_slack = evict_slack
         self.lock = lock
         self.tuner = tuner
+        self.traffic = traffic or Traffic()
         self.writing_bytes = 0  # disk room promised to batches being written
         self.device: SlotArena | None = None  # the GPU arena, once a GPU worker brings one
         self.device_transfer: Any = None  # that GPU's CudaTransfer
@@ -67,7 +71,8 @@ class Tiering:
     def read_disk(self, kind: Kind, rows: np.ndarray, targets: list[torch.Tensor]) -> list[int]:
         """Copy verified disk entries into `targets`; returns the rows found damaged."""
         assert self.disk is not None, "an entry in no memory tier must be on disk"
-        damaged = []
+        damaged, nbytes = [], 0
+        start = time.perf_counter()
         with self.disk.reader() as reader:
             for row, key, target in zip(rows.tolist(), key_list(self.index.keys(rows)), targets):
                 view = reader.get(kind, key)
@@ -75,6 +80,9 @@ class Tiering:
                     damaged.append(row)
                 else:
                     target.numpy()[:] = as_array(view)
+                    nbytes += target.numel() * target.element_size()
+        if len(rows):
+            self.traffic.record("disk", "host", nbytes, time.perf_counter() - start)
         return damaged
 
     def reserve(self, nbytes: int, count: int, tier: Tier = Tier.HOST) -> list[int]:
@@ -169,7 +177,8 @@ class Tiering:
         assert self.disk is not None
         for _ in range(_DISK_RETRIES):
             try:
-                self.disk.write(batch.entries)
+                with self.traffic.timed("host", "disk", batch.nbytes):
+                    self.disk.write(batch.entries)
                 return True
             except DiskFull:  # LMDB's own overhead beyond the budget: make more room, retry
                 with self.lock:
@@ -194,6 +203,7 @@ class Tiering:
             inside = rows[self.index.in_tier(rows, tier)]
             if len(inside):
                 self.remove(inside, tier)
+                self.counters[f"evicted_{tier.name.lower()}_damaged"] += len(inside)
 
     # -- device -> host ---------------------------------------------------------------------
     def begin_copy_down(self, rows: np.ndarray) -> DownBatch | None:
@@ -214,12 +224,15 @@ class Tiering:
     def copy(self, batch: DownBatch) -> None:
         """Copy a batch's device slots into its host slots and wait for it (no lock needed:
         the rows are pinned and the host slots are nobody else's)."""
-        for rows, slots, size in batch.placed:
-            pool = self.host.pool(size)
-            addresses = np.array([pool.view(s).data_ptr() for s in slots.tolist()], np.int64)
-            self.device_transfer.copy_entries(
-                list(self.device.pool(size).parts(self.index.slots(rows, Tier.DEVICE))), addresses)
-        self.device_transfer.fence("move").synchronize()
+        nbytes = sum(len(rows) * size for rows, _, size in batch.placed)
+        with self.traffic.timed("device", "host", nbytes):
+            for rows, slots, size in batch.placed:
+                pool = self.host.pool(size)
+                addresses = np.array([pool.view(s).data_ptr() for s in slots.tolist()], np.int64)
+                self.device_transfer.copy_entries(
+                    list(self.device.pool(size).parts(self.index.slots(rows, Tier.DEVICE))),
+                    addresses)
+            self.device_transfer.fence("move").synchronize()
 
     def end_copy_down(self, batch: DownBatch, copied: bool) -> int:
         """Publish the copies in the host (after they are complete) and unpin."""

@@ -1,0 +1,217 @@
+"""The daemon's Prometheus metrics. Every name, type, help text and label is declared
+once, in METRICS; the dashboard and the tests check against it.
+
+The engine's numbers are read when Prometheus scrapes (`EngineCollector`), never copied
+into a second set of counters; only what the engine cannot see, calls and their
+latency, is counted here (`CallMetrics`, fed by service.observe). Labels name RPC
+methods, status codes, tiers and reasons only: never a tenant, a key or a prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    Metric as Family)
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from tiercache.engine import Engine
+from tiercache.index import Tier
+from tiercache.metrics import BUCKETS, HopStats
+
+PREFIX = "tiercache_"
+TIERS = tuple(t.name.lower() for t in Tier)
+# Seconds: a Match over a Unix socket takes ~100 us, a large Store or a disk-bound Load
+# seconds.
+CALL_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+                1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # after PREFIX; counters without _total (the exposition adds it)
+    kind: str  # counter, gauge or histogram
+    help: str
+    labels: tuple[str, ...] = ()
+
+    @property
+    def full_name(self) -> str:
+        return PREFIX + self.name
+
+    @property
+    def exposed(self) -> str:
+        """The name a scrape shows (counters end in _total)."""
+        return self.full_name + ("_total" if self.kind == "counter" else "")
+
+
+METRICS = {m.name: m for m in (
+    Metric("rpc_requests", "counter", "gRPC calls finished, by service, method and status code.",
+           ("service", "method", "code")),
+    Metric("rpc_duration_seconds", "histogram", "Time to answer a unary gRPC call (Match, Load, "
+           "Store, ...), from its arrival to its answer.", ("service", "method")),
+    Metric("matches", "counter", "Match calls answered."),
+    Metric("match_requested_pages", "counter", "Full pages in the prompts given to Match."),
+    Metric("matched_pages", "counter", "Pages Match found, by the best tier that held each.",
+           ("tier",)),
+    Metric("matched_tokens", "counter", "Tokens Match found, by the tier of their page (or of the "
+           "checkpoint, for layouts without KV pages).", ("tier",)),
+    Metric("matched_checkpoints", "counter", "Checkpoints at the end of a Match hit, by the tier "
+           "that held each.", ("tier",)),
+    Metric("match_hit_ratio", "gauge", "Matched pages over the pages given to Match, since the "
+           "daemon started."),
+    Metric("loads", "counter", "Loads that copied a hit into a worker."),
+    Metric("loaded_pages", "counter", "Pages copied into workers by loads."),
+    Metric("transfer_bytes", "counter", "Bytes copied between workers and tiers, by hop "
+           "(a load from disk counts disk->host and host->worker).", ("source", "destination")),
+    Metric("transfer_seconds", "histogram", "Duration of one batched copy, by hop (asynchronous "
+           "GPU loads are not timed).", ("source", "destination")),
+    Metric("tier_used_bytes", "gauge", "Bytes of entries held in the tier.", ("tier",)),
+    Metric("tier_capacity_bytes", "gauge", "The tier's byte budget.", ("tier",)),
+    Metric("tier_entries", "gauge", "Entries (KV pages and checkpoints) in the tier.", ("tier",)),
+    Metric("evictions", "counter", "Entries removed from a tier, by reason: capacity (the "
+           "eviction policy made room), request (Evict calls), damaged (failed checksum).",
+           ("tier", "reason")),
+    Metric("admissions", "counter", "Entries offered by stores, by kind and outcome: stored, "
+           "declined (by the checkpoint admission policy) or no_room (host full of pinned "
+           "entries). Entries cached already are not counted.", ("kind", "outcome")),
+    Metric("demotions", "counter", "Host entries written to disk by their own eviction (the "
+           "background writer had not reached them)."),
+    Metric("disk_writes", "counter", "Host entries the background writer copied to disk."),
+    Metric("promotions", "counter", "Disk entries copied up into the host tier."),
+    Metric("prefetches", "counter", "Disk entries a Match asked to promote ahead of its Load."),
+    Metric("promotion_waits", "counter", "Loads that waited for a promotion in flight."),
+    Metric("eviction_regrets", "counter", "Evicted entries that were stored again soon after "
+           "(they tune FLOP-aware eviction)."),
+    Metric("checksum_failures", "counter", "Disk entries whose checksum failed when read: dropped, "
+           "never served."),
+    Metric("eviction_alpha", "gauge", "Weight of recency against saved FLOPs in FLOP-aware "
+           "eviction (absent under LRU)."),
+    Metric("registered_workers", "gauge", "Workers registered now."),
+    Metric("ipc_allocations", "gauge", "CUDA allocations of workers that the daemon holds open."),
+)}
+
+# Plain engine counters, one metric each.
+_PLAIN = {"matches": "matches", "match_requested_pages": "requested_pages", "loads": "loads",
+          "loaded_pages": "loaded_pages", "demotions": "demoted", "disk_writes": "disk_writes",
+          "promotions": "promoted", "prefetches": "prefetches",
+          "promotion_waits": "promotion_waits", "eviction_regrets": "regrets",
+          "checksum_failures": "checksum_failures"}
+# Labelled engine counters: metric -> {label values: counter}.
+_LABELLED = {
+    "matched_pages": {(t,): f"matched_pages_{t}" for t in TIERS},
+    "matched_tokens": {(t,): f"matched_tokens_{t}" for t in TIERS},
+    "matched_checkpoints": {(t,): f"matched_checkpoints_{t}" for t in TIERS},
+    "evictions": {**{(t, "capacity"): f"evicted_{t}" for t in TIERS},
+                  **{(t, "request"): f"evicted_{t}_by_request" for t in TIERS},
+                  **{(t, "damaged"): f"evicted_{t}_damaged" for t in TIERS}},
+    "admissions": {("page", "stored"): "stored_pages", ("page", "no_room"): "skipped_pages",
+                   ("checkpoint", "stored"): "stored_checkpoints",
+                   ("checkpoint", "declined"): "declined_checkpoints",
+                   ("checkpoint", "no_room"): "skipped_checkpoints"},
+}
+
+
+def _family(name: str) -> Family:
+    metric = METRICS[name]
+    families = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
+                "histogram": HistogramMetricFamily}
+    return families[metric.kind](metric.full_name, metric.help, labels=list(metric.labels))
+
+
+def _histogram(family: HistogramMetricFamily, labels: list[str], hop: HopStats) -> None:
+    cumulative, buckets = 0, []
+    for bound, count in zip((*BUCKETS, float("inf")), hop.counts):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+    family.add_metric(labels, buckets, hop.seconds)
+
+
+class EngineCollector:
+    """Reads the engine's stats and the worker registry at each scrape."""
+
+    def __init__(self, engine: Engine, workers: Callable[[], int],
+                 ipc_allocations: Callable[[], int]) -> None:
+        self.engine = engine
+        self.workers = workers
+        self.ipc_allocations = ipc_allocations
+
+    def collect(self) -> Iterator[Family]:
+        stats = self.engine.stats()
+        counters = stats.counters
+        for name, key in _PLAIN.items():
+            yield self._value(name, counters.get(key, 0))
+        for name, keys in _LABELLED.items():
+            family = _family(name)
+            for labels, key in keys.items():  # device series read zero until a device tier
+                family.add_metric(list(labels), counters.get(key, 0))
+            yield family
+        asked = counters.get("requested_pages", 0)
+        yield self._value("match_hit_ratio", counters.get("matched_pages", 0) / asked if asked else 0.0)
+        yield from self._tiers(stats.tiers)
+        yield from self._traffic()
+        if stats.alpha is not None:
+            yield self._value("eviction_alpha", stats.alpha)
+        yield self._value("registered_workers", self.workers())
+        yield self._value("ipc_allocations", self.ipc_allocations())
+
+    @staticmethod
+    def _value(name: str, value: float) -> Family:
+        family = _family(name)
+        family.add_metric([], value)
+        return family
+
+    @staticmethod
+    def _tiers(tiers) -> Iterator[Family]:
+        used, capacity, entries = (_family(n) for n in ("tier_used_bytes", "tier_capacity_bytes",
+                                                        "tier_entries"))
+        for tier in tiers:
+            name = [tier.tier.name.lower()]
+            used.add_metric(name, tier.used_bytes)
+            capacity.add_metric(name, tier.budget_bytes)
+            entries.add_metric(name, tier.entries)
+        yield from (used, capacity, entries)
+
+    def _traffic(self) -> Iterator[Family]:
+        moved, seconds = _family("transfer_bytes"), _family("transfer_seconds")
+        for (source, destination), hop in self.engine.traffic.snapshot().items():
+            moved.add_metric([source, destination], hop.bytes)
+            _histogram(seconds, [source, destination], hop)
+        yield from (moved, seconds)
+
+
+class CallMetrics:
+    """Calls by method and status, and unary call latency; one set per daemon, in the
+    daemon's own registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        calls, latency = METRICS["rpc_requests"], METRICS["rpc_duration_seconds"]
+        self.calls = Counter(calls.full_name, calls.help, calls.labels, registry=registry)
+        self.latency = Histogram(latency.full_name, latency.help, latency.labels,
+                                 registry=registry, buckets=CALL_BUCKETS)
+
+        self._children: dict[tuple, Any] = {}  # labels() takes a lock: look each up once
+
+    def observe(self, service: str, method: str, code: str, seconds: float, unary: bool) -> None:
+        calls = self._children.get((service, method, code))
+        if calls is None:
+            calls = self._children[(service, method, code)] = self.calls.labels(service, method, code)
+        calls.inc()
+        if unary:  # a stream (Register, health Watch) lasts as long as its client: no latency
+            latency = self._children.get((service, method))
+            if latency is None:
+                latency = self._children[(service, method)] = self.latency.labels(service, method)
+            latency.observe(seconds)
+
+
+def registry_for(engine: Engine, workers: Callable[[], int],
+                 ipc_allocations: Callable[[], int]) -> tuple[CollectorRegistry, CallMetrics]:
+    """A registry with the engine's metrics, the call metrics and the process's own
+    (CPU, memory, open files)."""
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, workers, ipc_allocations))
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    return registry, CallMetrics(registry)

@@ -1,0 +1,117 @@
+"""Every call, watched in one place: its request id is set for the log lines it causes
+and sent back in the trailing metadata, and when it ends its status code and duration
+go to the metrics and one log line. It sits outside service.errors' interceptor, so
+it sees the status the client gets."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Iterator
+
+import grpc
+
+from service.logs import REQUEST_ID, REQUEST_ID_HEADER, request_id
+from service.metrics import CallMetrics
+
+log = logging.getLogger("tiercache.calls")
+
+
+class ObservingInterceptor(grpc.ServerInterceptor):
+    def __init__(self, metrics: CallMetrics) -> None:
+        self.metrics = metrics
+
+    def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        handler = continuation(details)
+        if handler is None:  # an unknown method: grpc answers UNIMPLEMENTED, nothing to watch
+            return None
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        call = _Call(self.metrics, service, method, request_id(details.invocation_metadata))
+        for kind in ("unary_unary", "stream_unary"):
+            if getattr(handler, kind):
+                return handler._replace(**{kind: call.wrap_unary(getattr(handler, kind))})
+        for kind in ("unary_stream", "stream_stream"):
+            if getattr(handler, kind):
+                return handler._replace(**{kind: call.wrap_stream(getattr(handler, kind))})
+        return handler
+
+
+class _Call:
+    def __init__(self, metrics: CallMetrics, service: str, method: str, rid: str) -> None:
+        self.metrics = metrics
+        self.service = service
+        self.method = method
+        self.rid = rid
+
+    def wrap_unary(self, behaviour: Callable) -> Callable:
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            start, error = self._begin(context), None
+            token = REQUEST_ID.set(self.rid)
+            try:
+                return behaviour(request, context)
+            except BaseException as raised:
+                error = raised
+                raise
+            finally:
+                self._end(context, start, error, unary=True)
+                REQUEST_ID.reset(token)
+        return unary
+
+    def wrap_stream(self, behaviour: Callable) -> Callable:
+        def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            start, error = self._begin(context), None
+            responses = iter(behaviour(request, context))
+            try:
+                while True:
+                    # the id is set only while the servicer's code runs: a stream's
+                    # generator may be closed from another thread
+                    token = REQUEST_ID.set(self.rid)
+                    try:
+                        response = next(responses)
+                    except StopIteration:
+                        return
+                    finally:
+                        REQUEST_ID.reset(token)
+                    yield response
+            except BaseException as raised:  # GeneratorExit too: the client left
+                error = raised
+                raise
+            finally:
+                close = getattr(responses, "close", None)
+                if close is not None:
+                    close()
+                self._end(context, start, error, unary=False)
+        return stream
+
+    def _begin(self, context: grpc.ServicerContext) -> float:
+        context.set_trailing_metadata(((REQUEST_ID_HEADER, self.rid),))
+        return time.perf_counter()
+
+    def _end(self, context: grpc.ServicerContext, start: float, error: BaseException | None,
+             unary: bool) -> None:
+        seconds = time.perf_counter() - start
+        code = _status(context, error)
+        self.metrics.observe(self.service, self.method, code.name, seconds, unary)
+        level = logging.DEBUG if code == grpc.StatusCode.OK else logging.INFO
+        if log.isEnabledFor(level):
+            details = context.details() if code != grpc.StatusCode.OK else None
+            log.log(level, "%s %s in %.3f ms", self.method, code.name, seconds * 1e3, extra={"data": {
+                "service": self.service, "method": self.method, "code": code.name,
+                "ms": round(seconds * 1e3, 3), "request_id": self.rid,
+                **({"details": _text(details)} if details else {})}})
+
+
+def _status(context: grpc.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
+    """The status the call ends with: the one it set or aborted with; else OK, or
+    CANCELLED for a stream its client left, or UNKNOWN for an uncaught exception
+    (what grpc answers then)."""
+    code = context.code()
+    if code is not None:
+        return code
+    if isinstance(error, GeneratorExit) or not context.is_active():
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.OK if error is None else grpc.StatusCode.UNKNOWN
+
+
+def _text(details: Any) -> str:
+    return details.decode(errors="replace") if isinstance(details, bytes) else str(details)

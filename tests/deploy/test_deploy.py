@@ -1,0 +1,201 @@
+"""deploy/ parses, and names the flags, paths, ports and metrics the daemon really has:
+each file's daemon flags go through the daemon's own flag parser and configuration
+checks; the dashboard's queries name only declared metrics and cover all of them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import yaml
+
+from service import config as service_config
+from service.config import ServiceConfig, host_port
+from service.metrics import METRICS
+from service.server import SERVICE_NAME
+from tests.service.daemon import needs_promtool
+from tiercache.shm import SHM_DIR
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+
+
+def daemon_config(argv: list[str]) -> ServiceConfig:
+    """What `tiercache serve ARGV` would run with (no file, no environment)."""
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    service_config.add_flags(parser)
+    args = parser.parse_args(argv)
+    return service_config.load(None, environ={},
+                               flags={f.name: getattr(args, f.name) for f in fields(ServiceConfig)})
+
+
+def pod() -> dict:
+    documents = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "pod.yaml").read_text()))
+    return next(d for d in documents if d["kind"] == "Pod")
+
+
+def test_the_pod_shares_socket_memory_and_gpu_and_probes_real_ports():
+    spec = pod()["spec"]
+    sidecar = next(c for c in spec["initContainers"] if c["name"] == "tiercache")
+    worker = next(c for c in spec["containers"] if c["name"] == "worker")
+    assert sidecar["restartPolicy"] == "Always"  # a native sidecar: up first, down last
+    config = daemon_config(sidecar["args"])
+    mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (sidecar, worker)}
+    # the socket lies in a volume both containers mount at the same place ...
+    socket_dir = str(Path(config.socket_path).parent)
+    assert mounts["tiercache"]["socket"] == mounts["worker"]["socket"] == socket_dir
+    # ... the worker's client is pointed at it, and both share /dev/shm
+    env = {e["name"]: e["value"] for e in worker["env"]}
+    assert env["TIERCACHE_ADDRESS"] == f"unix:{config.socket_path}"
+    assert mounts["tiercache"]["shm"] == mounts["worker"]["shm"] == SHM_DIR
+    assert mounts["tiercache"]["cache"] == config.data_dir
+    # one GPU claim for both; one uid for both (the socket is 0600)
+    assert sidecar["resources"]["claims"] == worker["resources"]["claims"] == [{"name": "gpu"}]
+    assert "runAsUser" in spec["securityContext"] and not any(
+        "runAsUser" in c.get("securityContext", {}) for c in (sidecar, worker))
+    # ports: metrics and health listen on the pod's address, where Prometheus and the
+    # kubelet connect
+    ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
+    assert host_port(config.metrics_address, "") == ("0.0.0.0", ports["metrics"])
+    assert host_port(config.health_address, "") == ("0.0.0.0", ports["health"])
+    annotations = pod()["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(ports["metrics"])
+    assert annotations["prometheus.io/path"] == "/metrics"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert sidecar[probe]["grpc"]["port"] == ports["health"]
+    assert sidecar["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+    # the pod waits long enough for the drain, the grace and then some flushing
+    assert spec["terminationGracePeriodSeconds"] > config.drain_seconds + config.grace_seconds
+
+
+def dockerfile(name: str) -> dict[str, list[str]]:
+    """Instructions by keyword, continuation lines joined."""
+    text = re.sub(r"\\\n\s*", " ", (DEPLOY / name).read_text())
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            keyword, _, rest = line.strip().partition(" ")
+            found.setdefault(keyword, []).append(rest.strip())
+    return found
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_the_images_run_the_daemon_with_flags_it_has_and_expose_its_ports(name):
+    image = dockerfile(name)
+    assert json.loads(image["ENTRYPOINT"][0]) == ["tiercache", "serve"]
+    config = daemon_config(json.loads(image["CMD"][0]))
+    assert config.socket_path == "/run/tiercache/tiercache.sock"
+    sidecar = pod()["spec"]["initContainers"][0]
+    assert config.data_dir == next(m["mountPath"] for m in sidecar["volumeMounts"] if m["name"] == "cache")
+    exposed = {int(p) for p in image["EXPOSE"][0].split()}
+    assert exposed == {host_port(config.metrics_address, "")[1], host_port(config.health_address, "")[1]}
+    # installed as the Makefile installs: its torch pin, then the package's own directories
+    torch = re.search(r"^TORCH \?= (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert any(f'pip install "{torch}"' in run for run in image["RUN"])
+    assert {c.split()[0] for c in image["COPY"]} >= {"pyproject.toml", "tiercache", "service"}
+    assert any(run.startswith("pip install .") for run in image["RUN"])
+
+
+def unit() -> dict[str, str]:
+    text = re.sub(r"\\\n\s*", " ", (DEPLOY / "systemd" / "tiercache.service").read_text())
+    return dict(line.split("=", 1) for line in text.splitlines()
+                if "=" in line and not line.startswith("#"))
+
+
+def test_the_systemd_unit_runs_the_daemon_in_its_own_directories():
+    settings = unit()
+    argv = shlex.split(settings["ExecStart"])
+    assert argv[0].endswith("/.venv/bin/tiercache") and argv[1] == "serve"  # made by `make env`
+    config = daemon_config(argv[2:])
+    assert Path(config.socket_path).parent == Path("/run") / settings["RuntimeDirectory"]
+    assert Path(config.data_dir) == Path("/var/lib") / settings["StateDirectory"]
+    assert host_port(config.metrics_address, "")[0] == "127.0.0.1"  # a host service: local only
+    assert settings["KillSignal"] == "SIGTERM"
+    assert float(settings["TimeoutStopSec"]) > config.grace_seconds
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verifies_the_unit(tmp_path):
+    # verify checks that the program exists: point it at this environment's entry point
+    program = Path(sys.executable).parent / "tiercache"
+    if not program.exists():
+        pytest.skip(f"{program} is missing: install the package (make env) first")
+    text = (DEPLOY / "systemd" / "tiercache.service").read_text()
+    (tmp_path / "tiercache.service").write_text(text.replace("/opt/tiercache/.venv/bin/tiercache",
+                                                             str(program)))
+    checked = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "tiercache.service")],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0 and not checked.stderr.strip(), checked.stderr
+
+
+def scrape_config() -> dict:
+    return yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+
+
+def test_prometheus_scrapes_the_ports_the_daemon_serves_metrics_on():
+    jobs = {job["job_name"]: job for job in scrape_config()["scrape_configs"]}
+    local = daemon_config(shlex.split(unit()["ExecStart"])[2:]).metrics_address
+    assert jobs["tiercache"]["static_configs"][0]["targets"] == [local]
+    keep = next(r for r in jobs["tiercache-pods"]["relabel_configs"]
+                if r["source_labels"] == ["__meta_kubernetes_pod_container_port_name"])
+    names = {p["name"] for c in pod()["spec"]["initContainers"] for p in c["ports"]}
+    assert keep["action"] == "keep" and keep["regex"] in names
+
+
+@needs_promtool
+def test_promtool_accepts_the_scrape_config(tmp_path):
+    # Debian's promtool is built without Kubernetes discovery: check everything else,
+    # with the pods job given a static target instead
+    config = scrape_config()
+    for job in config["scrape_configs"]:
+        if job.pop("kubernetes_sd_configs", None) is not None:
+            job["static_configs"] = [{"targets": ["pod:9477"]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    checked = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def queries() -> list[str]:
+    dashboard = json.loads((DEPLOY / "grafana" / "tiercache.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    return [t["expr"] for p in panels for t in p["targets"]]
+
+
+def test_the_dashboard_queries_every_declared_metric_and_nothing_else():
+    exposed = {m.exposed: m for m in METRICS.values()}
+    used = set()
+    for expr in queries():
+        metrics = []
+        for name in re.findall(r"\btiercache_\w+", expr):
+            metric = exposed.get(name) or exposed.get(re.sub(r"_(bucket|sum|count)$", "", name))
+            assert metric is not None, f"{name} in {expr!r} is not a metric the daemon serves"
+            assert name == metric.exposed or metric.kind == "histogram", name
+            metrics.append(metric)
+        # every label it groups by is one its metrics have
+        labels = {"le"}.union(*(m.labels for m in metrics))
+        for grouped in re.findall(r"by \(([^)]*)\)", expr):
+            assert {w.strip() for w in grouped.split(",")} <= labels, expr
+        used |= {m.exposed for m in metrics}
+    assert used == set(exposed)
+
+
+@needs_promtool
+def test_promtool_parses_every_dashboard_query(tmp_path):
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query_{n}", "expr": expr.replace("$__rate_interval", "5m")
+                                                        .replace("$instance", ".*")}
+        for n, expr in enumerate(queries())]}]}
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules))
+    checked = subprocess.run(["promtool", "check", "rules", str(tmp_path / "rules.yml")],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr

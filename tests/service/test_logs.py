@@ -1,0 +1,94 @@
+"""Log lines: JSON objects from a real daemon, one startup line with the effective
+configuration, every call's line carrying its request id; the text format and the
+masking of secrets in-process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import signal
+
+import grpc
+
+from service.config import ServiceConfig
+from service.logs import REQUEST_ID, JsonFormatter, TextFormatter, redacted, request_id
+from tests.service.daemon import running_daemon
+from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
+
+
+def test_a_json_daemon_logs_its_configuration_once_and_each_call_with_its_request_id(tmp_path):
+    with running_daemon(tmp_path, "--log-format", "json", "--log-level", "debug") as (address, process):
+        stub = pb_grpc.TiercacheStub(grpc.insecure_channel(address))
+        # 1. a call with the client's own request id gets it back in the trailing metadata
+        _, call = stub.Stats.with_call(pb.StatsRequest(), metadata=(("x-request-id", "req-42"),))
+        assert ("x-request-id", "req-42") in call.trailing_metadata()
+        # 2. a failing call, and a call that brings no id (the daemon makes one up)
+        try:
+            stub.Evict(pb.EvictRequest(worker_id="nobody", keys=b"\0" * 16),
+                       metadata=(("x-request-id", "req-43"),))
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.NOT_FOUND
+        _, call = stub.Stats.with_call(pb.StatsRequest())
+        made_up = dict(call.trailing_metadata())["x-request-id"]
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    lines = [json.loads(line) for line in (process.startup_line + output).splitlines()
+             if line.startswith("{")]
+    # every line the daemon wrote is one JSON object (grpc's own C logs aside)
+    assert len(lines) == len([x for x in (process.startup_line + output).splitlines()
+                              if not re.match(r"[IWE]\d{4} ", x)])
+    # 3. the first line says where it listens and the whole effective configuration
+    startup = lines[0]
+    assert "listening" in startup["message"] and startup["addresses"] == [address]
+    assert startup["config"] == dataclasses.asdict(ServiceConfig(
+        data_dir=str(tmp_path), socket=str(tmp_path / "tiercache.sock"), host_budget=64 << 20,
+        disk_map_size=256 << 20, grace_seconds=2.0, metrics_address="127.0.0.1:0",
+        log_format="json", log_level="debug"))
+    assert sum("config" in line for line in lines) == 1
+    # 4. one line per call, with its request id, method and status
+    calls = {line["request_id"]: line for line in lines if line["logger"] == "tiercache.calls"}
+    assert (calls["req-42"]["method"], calls["req-42"]["code"], calls["req-42"]["level"]) == (
+        "Stats", "OK", "debug")
+    assert (calls["req-43"]["method"], calls["req-43"]["code"], calls["req-43"]["level"]) == (
+        "Evict", "NOT_FOUND", "info")
+    assert "not registered" in calls["req-43"]["details"]
+    assert re.fullmatch(r"[0-9a-f]{16}", made_up) and calls[made_up]["method"] == "Stats"
+
+
+def record(message: str, **data) -> logging.LogRecord:
+    entry = logging.LogRecord("tiercache.test", logging.INFO, __file__, 1, message, (), None)
+    entry.data = data
+    entry.request_id = REQUEST_ID.get()
+    return entry
+
+
+def test_the_text_format_puts_fields_and_the_request_id_after_the_message():
+    token = REQUEST_ID.set("req-7")
+    try:
+        line = TextFormatter().format(record("Load OK", method="Load", ms=0.25))
+        entry = json.loads(JsonFormatter().format(record("Load OK", method="Load")))
+    finally:
+        REQUEST_ID.reset(token)
+    assert line.endswith("INFO tiercache.test: Load OK method=Load ms=0.25 request_id=req-7")
+    assert (entry["message"], entry["method"], entry["request_id"]) == ("Load OK", "Load", "req-7")
+
+
+def test_request_ids_a_client_chooses_are_kept_only_when_sane():
+    assert request_id([("x-request-id", "abc-123")]) == "abc-123"
+    # too long, or with characters that could forge log lines: replaced by a new one
+    for bad in ("x" * 200, "a\nb", "a b", ""):
+        assert request_id([("x-request-id", bad)]) != bad
+    assert re.fullmatch(r"[0-9a-f]{16}", request_id(None))
+
+
+def test_settings_that_hold_secrets_are_masked():
+    @dataclasses.dataclass
+    class WithSecrets:
+        socket: str = "/run/tiercache.sock"
+        auth_token: str = "hunter2"
+        tls_key_password: str = ""
+    assert redacted(WithSecrets()) == {"socket": "/run/tiercache.sock", "auth_token": "***",
+                                       "tls_key_password": ""}
