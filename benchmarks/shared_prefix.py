@@ -230,10 +230,20 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--end-checkpoints", action="store_true",
                         help="also checkpoint at each prompt's last full page and the page before "
                              "(AdapterConfig.checkpoint_ends): one more forward pass a request")
+    parser.add_argument("--groups", type=int, help="groups of prompts (fewer: a shorter run)")
     parser.add_argument("--gpu-cache-share", type=float,
                         help="GPU-only cache budget as a share of the working set (default 0.1)")
     parser.add_argument("--seed", type=int, default=1)
     return parser.parse_args()
+
+
+def pick_scale(args: argparse.Namespace, device: torch.device) -> Scale:
+    scale = SCALES[args.scale or ("full" if device.type == "cuda" else "cpu")]
+    if args.gpu_cache_share is not None:
+        scale = dataclasses.replace(scale, gpu_cache_share=args.gpu_cache_share)
+    if args.groups is not None:
+        scale = dataclasses.replace(scale, groups=args.groups)
+    return scale
 
 
 def load_model(scale: Scale, device: torch.device, max_tokens: int) -> torch.nn.Module:
@@ -248,9 +258,7 @@ def load_model(scale: Scale, device: torch.device, max_tokens: int) -> torch.nn.
 def main() -> None:
     args = parse()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    scale = SCALES[args.scale or ("full" if device.type == "cuda" else "cpu")]
-    if args.gpu_cache_share is not None:
-        scale = dataclasses.replace(scale, gpu_cache_share=args.gpu_cache_share)
+    scale = pick_scale(args, device)
     prompt_tokens = scale.system_tokens + scale.question_tokens
     longest = max(prompt_tokens, *scale.reload_tokens)
     model = load_model(scale, device, longest + 1024)
