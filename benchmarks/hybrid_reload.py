@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 
@@ -42,21 +41,6 @@ def same_cache(spec: CacheSpec, a, b) -> bool:
                       for s in spec.states)
 
 
-def host_entries(client) -> int:
-    return next(t.entries for t in client.stats().tiers if t.tier == Tier.HOST)
-
-
-def copied_down(client, entries: int, timeout: float = 60.0) -> None:
-    """Wait until the host tier holds `entries` entries: the daemon copies a GPU worker's
-    stores down from its device tier in the background, and evicting an entry from the
-    device before that would drop it."""
-    end = time.monotonic() + timeout
-    while host_entries(client) < entries:
-        if time.monotonic() > end:
-            raise RuntimeError(f"the host tier did not reach {entries} entries in {timeout:.0f} s")
-        time.sleep(0.05)
-
-
 def timed_loads(adapter: HybridCacheAdapter, prefix: torch.Tensor,
                 repeats: int) -> tuple[float, Restored]:
     times, restored = [], None
@@ -80,15 +64,14 @@ def reload_row(adapter: HybridCacheAdapter, client, model: torch.nn.Module, toke
         seconds, cache = recompute(model, prefix, chunk)
         times.append(seconds)
     prefill = statistics.median(times)
-    before = host_entries(client)
-    stored = adapter.store(prefix[0], cache)
+    adapter.store(prefix[0], cache)
     on_gpu = prefix.device.type == "cuda"
     device, exact = "", True
     if on_gpu:
         seconds, restored = timed_loads(adapter, prefix, repeats)
         device = f"{1e3 * seconds:.3g} ({'+'.join(t.name.lower() for t in restored.load.bytes_from)})"
         exact, restored = same_cache(adapter.spec, restored.cache, cache), None
-        copied_down(client, before + stored.stored)
+        # the daemon copies entries down to the host before it drops their device copies
         adapter.worker.evict(keys=adapter.keys(prefix[0]), tier=Tier.DEVICE)
     host, restored = timed_loads(adapter, prefix, repeats)
     if restored.tokens != tokens or set(restored.load.bytes_from) != {Tier.HOST}:
