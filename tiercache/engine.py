@@ -459,6 +459,7 @@ class Engine:
             self.moving.drain()  # copies down in flight end first (they pin what they read)
         with self._lock:
             self._check_open()
+            self.moving.reap()  # asynchronous loads that are done no longer pin their entries
             if keys is None:
                 rows = np.unique(np.concatenate([self.index.rows_in(t) for t in tiers]))
             else:

@@ -157,7 +157,9 @@ def test_a_prompt_larger_than_the_device_tier_goes_to_the_host_and_device_evicti
     source, dest = on_gpu(1), on_gpu(2)
     keys = prompt_keys(LAYOUT, seed=1, pages=6)
     assert engine.store(source, keys, range(6), {6: 0}).stored == 7
-    # 2. evicting from the device tier copies down what has no host copy yet: nothing is lost
+    # 2. an asynchronous load pins its entries until its copy is done...
+    engine.load(dest, keys, range(20, 26), slot=4, asynchronous=True).done.synchronize()
+    # 3. ...then evicting from the device tier copies down what has no host copy yet
     engine.evict(keys, tier=Tier.DEVICE)
     assert engine.stats().tiers[0].entries == 0
     result = engine.load(dest, keys, range(10, 16), slot=3)
