@@ -363,7 +363,7 @@ def run_raw(messages: int, seed: int = 0) -> tuple[collections.Counter, bool]:
     rng = np.random.default_rng(seed)
     codes: collections.Counter = collections.Counter()
     with tempfile.TemporaryDirectory() as folder, spawn(folder, "--host-budget", "16MiB",
-                                                        "--disk-map-size", "64MiB", drain=True) as (address, daemon):
+                                                        "--disk-map-size", "64MiB", forward_output=True) as (address, daemon):
         channel = grpc.insecure_channel(address)
         for n in range(messages):
             method = METHODS[n % len(METHODS)]

@@ -64,7 +64,7 @@ def sample(pid: int, into: list, stop: threading.Event, every: float) -> None:
 
 def run(workers: int, seconds: float, universe: int = 3000, sample_every: float = 5.0) -> Soak:
     result = Soak()
-    with tempfile.TemporaryDirectory() as folder, spawn(folder, *FLAGS, drain=True) as (address, daemon):
+    with tempfile.TemporaryDirectory() as folder, spawn(folder, *FLAGS, forward_output=True) as (address, daemon):
         stop = threading.Event()
         sampler = threading.Thread(target=sample, args=(daemon.pid, result.rss, stop, sample_every))
         sampler.start()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import os
 import signal
 import subprocess
@@ -10,17 +9,18 @@ import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Iterator
 
 
 @contextmanager
-def spawn(data_dir: str | Path, *flags: str, drain: bool = False) -> Iterator[tuple[str, subprocess.Popen]]:
+def spawn(data_dir: str | Path, *flags: str,
+          forward_output: bool = False) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start `tiercache serve` on a socket in `data_dir`, wait until it listens, yield its
     address; SIGTERM (orderly stop) at the end. Metrics go to a free port (several
-    daemons may run at once); `process.startup_line` is the line that says where. With
-    `drain`, its output is read all along (the last lines kept as `process.said`): for
-    callers that do not read it themselves and expect much of it, as a full pipe blocks
-    every thread of the daemon that logs."""
+    daemons may run at once); `process.startup_line` is the line that says where.
+    What the daemon prints after that stays in its pipe for the caller to read, or, with
+    `forward_output`, goes on to this process's stderr: a long run must take it, since a
+    daemon whose pipe is full blocks on its next log line."""
     socket = Path(data_dir) / "tiercache.sock"
     command = [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data_dir),
                "--socket", str(socket), "--metrics-address", "127.0.0.1:0", *flags]
@@ -34,12 +34,19 @@ def spawn(data_dir: str | Path, *flags: str, drain: bool = False) -> Iterator[tu
         process.kill()
         raise RuntimeError(f"the daemon did not start: {''.join(said)}{process.stdout.read()}")
     process.startup_line = said[-1]  # type: ignore[attr-defined]
-    if drain:
-        process.said = collections.deque(said, maxlen=2000)  # type: ignore[attr-defined]
-        threading.Thread(target=process.said.extend, args=(process.stdout,), daemon=True).start()  # type: ignore[attr-defined]
+    forward = threading.Thread(target=_forward, args=(process.stdout,), daemon=True)
+    if forward_output:
+        forward.start()
     try:
         yield f"unix:{socket}", process
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=60)
+        if forward_output:
+            forward.join(timeout=5)  # its last lines out before the caller's stderr may go
+
+
+def _forward(output: IO[str]) -> None:
+    for line in output:
+        sys.stderr.write(line)

@@ -365,6 +365,9 @@ class Engine:
             while stored < len(todo):  # in batches: each one may push the last down a tier
                 with self._lock:
                     slots = self.tiers.reserve(group.nbytes, len(todo) - stored, tier)
+                if not slots and tier == Tier.DEVICE:  # too small, or pinned by loads: the host
+                    tier, arena = Tier.HOST, self.host  # takes the rest
+                    continue
                 if not slots:
                     break
                 batch = todo[stored:stored + len(slots)]  # shallow pages first
@@ -521,12 +524,16 @@ class Engine:
 
     def evict(self, keys: Keys | None = None, tier: Tier | None = None) -> int:
         """Drop the pages and checkpoints named by `keys` (all entries if None) from `tier`
-        (every tier if None); entries a load is reading stay. Returns how many entries
-        were dropped from at least one tier."""
+        (every tier if None); entries a load is reading stay. Evicting from the device tier
+        alone moves entries down: those without a host copy get one first. Returns how
+        many entries were dropped from at least one tier."""
         present = [Tier.DEVICE] * (self.tiers.device is not None) + [Tier.HOST, Tier.DISK]
         tiers = [t for t in present if tier is None or t == tier]
+        if tiers == [Tier.DEVICE]:
+            self.moving.drain()  # copies down in flight end first (they pin what they read)
         with self._lock:
             self._check_open()
+            self.moving.reap()  # asynchronous loads that are done no longer pin their entries
             if keys is None:
                 rows = np.unique(np.concatenate([self.index.rows_in(t) for t in tiers]))
             else:
@@ -538,6 +545,8 @@ class Engine:
                 inside = self.index.in_tier(rows, t)
                 dropped |= inside
                 if inside.any():
+                    if tiers == [Tier.DEVICE]:
+                        self.counters["copied_down"] += self.tiers.copy_down(rows[inside])
                     self.tiers.remove(rows[inside], t)
                     self.counters[f"evicted_{t.name.lower()}_by_request"] += int(inside.sum())
             return int(dropped.sum())

@@ -149,3 +149,20 @@ def test_a_small_device_tier_pushes_older_prompts_down_and_every_load_is_exact(t
     assert engine.load(dest, prompts[0], range(40, 46), slot=7).bytes_from.keys() == {Tier.DISK}
     assert same(rows_of(dest, range(40, 46)), rows_of(source, range(6)))
     engine.close()
+
+
+def test_a_prompt_larger_than_the_device_tier_goes_to_the_host_and_device_eviction_moves_down():
+    # 1. the device tier holds two pages: the rest of a six-page prompt lands in the host
+    engine = open_with_device(2 * LAYOUT.page_bytes)
+    source, dest = on_gpu(1), on_gpu(2)
+    keys = prompt_keys(LAYOUT, seed=1, pages=6)
+    assert engine.store(source, keys, range(6), {6: 0}).stored == 7
+    # 2. an asynchronous load pins its entries until its copy is done...
+    engine.load(dest, keys, range(20, 26), slot=4, asynchronous=True).done.synchronize()
+    # 3. ...then evicting from the device tier copies down what has no host copy yet
+    engine.evict(keys, tier=Tier.DEVICE)
+    assert engine.stats().tiers[0].entries == 0
+    result = engine.load(dest, keys, range(10, 16), slot=3)
+    assert result.match.pages == 6 and set(result.bytes_from) == {Tier.HOST}
+    assert same(rows_of(dest, range(10, 16)), rows_of(source, range(6)))
+    engine.close()

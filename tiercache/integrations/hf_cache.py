@@ -23,23 +23,28 @@ cache's own tensors; each linear-attention state gives one slot buffer,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
-from tiercache.buffers import WorkerBuffers
 from tiercache.errors import InvalidArgument
 from tiercache.layout import BufferSpec, Layout
 
 try:
+    from transformers import cache_utils
     from transformers.cache_utils import (
-        Cache, CacheLayerMixin, DummyLayer, DynamicCache, DynamicLayer,
-        LinearAttentionAndFullAttentionLayer, LinearAttentionCacheLayerMixin)
+        Cache, CacheLayerMixin, DynamicCache, DynamicLayer, LinearAttentionAndFullAttentionLayer,
+        LinearAttentionCacheLayerMixin)
 except ImportError as error:  # transformers missing, or a version without linear-attention layers
     raise ImportError(
         "tiercache.integrations.transformers needs Hugging Face transformers 5.x with its "
-        "linear-attention cache layers (tested with 5.23): pip install 'tiercache[transformers]'"
-    ) from error
+        "linear-attention cache layers (tested with 5.17 and 5.23): "
+        "pip install 'tiercache[transformers]'") from error
+
+# Layers that cache nothing (MLP-only layers); transformers before 5.23 has none (GPU images
+# still ship 5.17).
+_EMPTY_LAYERS = tuple(getattr(cache_utils, name) for name in ("DummyLayer",)
+                      if hasattr(cache_utils, name))
 
 # Layers whose KV tensors hold every token of the prefix, so pages rebuild them exactly.
 _WHOLE_KV_LAYERS = (DynamicLayer, LinearAttentionAndFullAttentionLayer)
@@ -115,7 +120,7 @@ class CacheSpec:
 
 def _read_layer(index: int, layer: object) -> tuple[list[KVSpec], list[StateSpec]]:
     where = f"cache layer {index} ({type(layer).__name__})"
-    if isinstance(layer, DummyLayer):
+    if isinstance(layer, _EMPTY_LAYERS):
         return [], []
     linear = isinstance(layer, LinearAttentionCacheLayerMixin)
     if not linear and not isinstance(layer, CacheLayerMixin):
@@ -151,18 +156,18 @@ def _one_sequence(tensor: torch.Tensor, where: str) -> torch.Tensor:
 
 
 class Staging:
-    """The adapter's own rows, bound as the engine's worker buffers: KV pages of one
-    sequence (row p = page p+1, so a load and later stores of the same prompt share rows)
-    and one state slot. The engine copies only between these and its tiers; this class
+    """The adapter's rows: a registered worker's buffers (shared memory the daemon maps, CUDA
+    memory it opens by IPC, or plain tensors for an engine in-process), holding the KV pages
+    of one sequence (row p = page p+1, so a load and later stores of the same prompt share
+    rows) and one state slot. tiercache copies between these and its tiers; this class
     copies between these and a transformers cache."""
 
-    def __init__(self, spec: CacheSpec, layout: Layout,
-                 allocate: Callable[[BufferSpec], torch.Tensor]) -> None:
+    def __init__(self, spec: CacheSpec, page_tokens: int, paged: Mapping[str, torch.Tensor],
+                 slots: Mapping[str, torch.Tensor]) -> None:
         self.spec = spec
-        self.page_tokens = layout.page_tokens
-        self.paged = {b.name: allocate(b) for b in layout.paged}
-        self.slots = {b.name: allocate(b) for b in layout.slots}
-        self.buffers = WorkerBuffers.bind(layout, paged=self.paged, slots=self.slots)
+        self.page_tokens = page_tokens
+        self.paged = dict(paged)
+        self.slots = dict(slots)
 
     def pages_from(self, cache: Cache, first: int, last: int) -> None:
         """Copy pages first+1..last of the cache's KV into rows first..last-1."""

@@ -1,6 +1,7 @@
 """tiercache for Hugging Face transformers hybrid models (Qwen3-Next, Qwen3.5, Nemotron-H, ...).
 
-    adapter = HybridCacheAdapter.for_model(model, engine, AdapterConfig(model_id="org/name@rev"))
+    config = AdapterConfig(model_id="org/name@rev")
+    adapter = HybridCacheAdapter.for_model(model, Client(address), config)  # or EmbeddedClient()
     run = adapter.prefill(model, input_ids)   # loads the longest hit, computes and stores the rest
     next_token = run.logits[0, -1].argmax()   # run.cache continues generation from here
 
@@ -15,45 +16,48 @@ of floating-point sums, not the function, so the logits stay within rounding of 
 unsplit forward pass, and a prefix loaded back is bit-identical to the same prefix kept
 in memory.
 
-The adapter talks to the store through four calls (`Backend`), all made in this file's
-`match`, `_load` and `_store`: the embedded `Engine`, or a client of the daemon with the
-same methods. One adapter serves one sequence at a time (batch size 1) and is not
-thread-safe: its staging rows are shared by its calls.
+The adapter talks to tiercache through a registered worker (`tiercache.client.Worker`):
+`for_model` registers the cache's layout with a daemon `Client`, an `EmbeddedClient` or
+an `Engine` in this process, and the worker's buffers are the staging rows that prefixes
+pass through (shared memory on the CPU; on a GPU, CUDA memory of the adapter's own that
+the daemon opens by IPC). One adapter serves one sequence at a time (batch size 1) and is
+not thread-safe: its staging rows are shared by its calls. `close` ends the registration.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from tiercache.buffers import WorkerBuffers
-from tiercache.engine import LoadResult, StoreResult
+from tiercache.client import Client, EmbeddedClient
+from tiercache.engine import Engine, LoadResult, StoreResult
 from tiercache.errors import InvalidArgument
-from tiercache.hashing import Namespace, PageKey, page_keys
-from tiercache.index import Match
+from tiercache.hashing import Keys, PageKey
+from tiercache.index import Match, StopReason
 from tiercache.integrations.hf_cache import (
     Cache, CacheSpec, DynamicCache, Staging, UnsupportedCache)
-from tiercache.layout import BufferSpec, Layout
+from tiercache.layout import Layout
 
-__all__ = ["AdapterConfig", "Backend", "CacheSpec", "HybridCacheAdapter", "Prefill", "Restored",
-           "Stored", "UnsupportedCache"]
+__all__ = ["AdapterConfig", "CacheSpec", "Connection", "HybridCacheAdapter", "Prefill",
+           "Restored", "UnsupportedCache"]
 
 
-class Backend(Protocol):
-    """What the adapter needs from a store: `tiercache.engine.Engine` or a daemon client."""
+class Connection(Protocol):
+    """What the adapter needs of tiercache: a registered `tiercache.client.Worker`."""
 
-    def store_pages(self, buffers: WorkerBuffers, keys: Sequence[PageKey],
-                    rows: Sequence[int]) -> StoreResult: ...
+    layout: Layout
+    paged: Mapping[str, torch.Tensor]
+    slots: Mapping[str, torch.Tensor]
 
-    def store_checkpoint(self, buffers: WorkerBuffers, keys: Sequence[PageKey],
-                         slot: int) -> StoreResult: ...
-
-    def match(self, layout: Layout, keys: Sequence[PageKey]) -> Match: ...
-
-    def load(self, buffers: WorkerBuffers, keys: Sequence[PageKey], rows: Sequence[int] = (),
+    def keys(self, tokens: Any) -> list[PageKey]: ...
+    def match(self, tokens: Any = None, *, keys: Keys | None = None) -> Match: ...
+    def load(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
              slot: int | None = None) -> LoadResult: ...
+    def store(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
+              checkpoints: Mapping[int, int] | None = None) -> StoreResult: ...
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,11 @@ class AdapterConfig:
     page_tokens: int = 16
     max_tokens: int = 8192  # the longest prefix cached; sizes the staging rows
     checkpoint_every: int | None = None  # pages between extra checkpoints during prefill
-    tenant: str = ""
+    # Also stop at the last full page and, for a prompt that ends on a page boundary, at
+    # the page before it (as far as a repeat of the prompt can load): one more forward pass
+    # each. Off suits prompts that are never extended or repeated. A prompt that ends on a
+    # boundary keeps the checkpoint at its end either way: it costs no extra pass.
+    checkpoint_ends: bool = True
     extra: tuple[str, ...] = ()  # LoRA id, multimodal hashes, ...
 
     def __post_init__(self) -> None:
@@ -90,76 +98,92 @@ class Restored:
 
 
 @dataclass(frozen=True)
-class Stored:
-    pages: StoreResult | None  # None when there were no full pages
-    checkpoint: StoreResult | None  # None when the cache did not end on a page boundary
-
-
-@dataclass(frozen=True)
 class Prefill:
     cache: Cache  # has seen the whole prompt
-    logits: torch.Tensor  # [1, computed tokens, vocab]: of the tokens after the hit only
+    logits: torch.Tensor  # [1, computed tokens, vocab] after the hit, or [1, 1, vocab] (last_only)
     loaded_tokens: int
     chunks: tuple[int, ...]  # tokens per forward pass, in order
     load: LoadResult
-    stores: tuple[Stored, ...]
+    stores: tuple[StoreResult, ...]  # one per store: the pages and the checkpoint at its end
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(self.chunks)
 
 
-Allocate = Callable[[BufferSpec], torch.Tensor]
+# A prompt under one full page has no key: nothing is asked for (a daemon refuses empty prompts).
+_MISS = Match(0, 0, 0, b"", None, StopReason.MISSING_PAGE)
 
 
 class HybridCacheAdapter:
-    """Staging rows live on the CPU by default, where the embedded engine reads them. A
-    daemon client passes `allocate` to put them where the daemon can read them (shared
-    memory, or device memory it opens through CUDA IPC)."""
+    """Prefixes of one model's cache through a registered tiercache worker: `prefill`,
+    or `load` and `store` for callers that run the model themselves."""
 
-    def __init__(self, backend: Backend, spec: CacheSpec, config: AdapterConfig,
-                 new_cache: Callable[[], Cache], device: torch.device | str,
-                 allocate: Allocate | None = None) -> None:
-        self.backend = backend
+    def __init__(self, worker: Connection, spec: CacheSpec, config: AdapterConfig,
+                 new_cache: Callable[[], Cache], device: torch.device | str) -> None:
+        expected = spec.layout(config.page_tokens, config.max_pages)
+        if worker.layout != expected:
+            raise InvalidArgument("the worker was registered with another layout than this "
+                                  "cache's: register spec.layout(page_tokens, max_pages)")
+        self.worker = worker
         self.spec = spec
         self.config = config
         self.new_cache = new_cache
         self.device = torch.device(device)
-        self.layout = spec.layout(config.page_tokens, config.max_pages)
-        self.root = Namespace(config.model_id, self.layout.fingerprint, config.tenant,
-                              config.extra).root()
-        self.staging = Staging(spec, self.layout, allocate or _zeros_on("cpu"))
+        self.layout = worker.layout
+        self.staging = Staging(spec, config.page_tokens, worker.paged, worker.slots)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, backend: Backend, config: AdapterConfig,
-                  allocate: Allocate | None = None) -> "HybridCacheAdapter":
-        """An adapter for `model`'s own cache (`DynamicCache(config=model.config)`)."""
+    def for_model(cls, model: torch.nn.Module, cache: Client | EmbeddedClient | Engine,
+                  config: AdapterConfig) -> "HybridCacheAdapter":
+        """An adapter for `model`'s own cache (`DynamicCache(config=model.config)`), registered
+        with `cache`. A model on a GPU gets staging rows on its GPU (CUDA IPC to a daemon)."""
         def new_cache() -> Cache:
             return DynamicCache(config=model.config)
         spec = CacheSpec.probe(model, new_cache)
         device = next(model.parameters()).device
-        return cls(backend, spec, config, new_cache, device, allocate)
+        layout = spec.layout(config.page_tokens, config.max_pages)
+        client = EmbeddedClient(cache) if isinstance(cache, Engine) else cache
+        buffers = device_buffers(layout, device) if device.type == "cuda" else None
+        worker = client.register(config.model_id, layout, extra_keys=config.extra, buffers=buffers)
+        return cls(worker, spec, config, new_cache, device)
+
+    def close(self) -> None:
+        """End the registration (a daemon unmaps the staging rows)."""
+        self.worker.close()
+
+    def __enter__(self) -> "HybridCacheAdapter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- keys and the store ------------------------------------------------------------
     def keys(self, tokens: Any) -> list[PageKey]:
         """Page keys of the full pages of `tokens` (1-D), up to max_tokens."""
-        return page_keys(_flat(tokens)[:self.config.max_pages * self.config.page_tokens],
-                         self.root, self.config.page_tokens)
+        return self.worker.keys(_flat(tokens)[:self.config.max_pages * self.config.page_tokens])
 
     def match(self, tokens: Any) -> Match:
-        return self.backend.match(self.layout, self.keys(tokens))
+        keys = self.keys(tokens)
+        return self.worker.match(keys=keys) if keys else _MISS
 
     def _load(self, keys: list[PageKey]) -> LoadResult:
-        rows = range(len(keys)) if self.layout.needs_pages else ()
-        return self.backend.load(self.staging.buffers, keys, rows=rows, slot=0)
-
-    def _store(self, keys: list[PageKey], checkpoint: bool) -> Stored:
-        """Store rows 0..len(keys)-1 as those pages and, if asked, slot 0 as the state after
-        the last one. Pages go first: a checkpoint is useless without its pages."""
         if not keys:
-            return Stored(None, None)
-        buffers = self.staging.buffers
-        pages = (self.backend.store_pages(buffers, keys, range(len(keys)))
-                 if self.layout.needs_pages else None)
-        state = (self.backend.store_checkpoint(buffers, keys, 0)
-                 if checkpoint and self.layout.needs_checkpoint else None)
-        return Stored(pages, state)
+            return LoadResult(_MISS, {}, 0)
+        rows = range(len(keys)) if self.layout.needs_pages else ()
+        slot = 0 if self.layout.needs_checkpoint else None
+        return self.worker.load(keys=keys, kv_rows=rows, slot=slot)
+
+    def _store(self, keys: list[PageKey], checkpoint: bool) -> StoreResult | None:
+        """Store rows 0..len(keys)-1 as those pages and, if asked, slot 0 as the state after
+        the last one, in one call: the checkpoint is at the end of the keys, so the
+        engine's admission always keeps it."""
+        if not keys:
+            return None
+        rows = range(len(keys)) if self.layout.needs_pages else ()
+        offer = checkpoint and self.layout.needs_checkpoint
+        return self.worker.store(keys=keys, kv_rows=rows, checkpoints={
+            len(keys) * self.config.page_tokens: 0} if offer else None)
 
     # -- the cache side ------------------------------------------------------------------
     def load(self, tokens: Any) -> Restored:
@@ -174,10 +198,11 @@ class HybridCacheAdapter:
             self.staging.fill(cache, result.match.pages, self.device)
         return Restored(cache, result.match.tokens, result)
 
-    def store(self, tokens: Any, cache: Cache) -> Stored:
+    def store(self, tokens: Any, cache: Cache) -> StoreResult | None:
         """Store the KV pages of a cache that has seen exactly `tokens` and, if their count
         is a multiple of page_tokens, its state as the checkpoint of the last page. (A state
-        after a partial page is no checkpoint at all: `prefill` stops on the boundary.)"""
+        after a partial page is no checkpoint at all: `prefill` stops on the boundary.)
+        None when `tokens` has no full page."""
         tokens = _flat(tokens)
         self._check_length(cache, len(tokens))
         keys = self.keys(tokens)
@@ -196,9 +221,12 @@ class HybridCacheAdapter:
 
     # -- prefill ------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, model: torch.nn.Module, input_ids: torch.Tensor) -> Prefill:
+    def prefill(self, model: torch.nn.Module, input_ids: torch.Tensor,
+                last_only: bool = False) -> Prefill:
         """Load the longest hit of `input_ids` ([1, N]), run `model` on the rest in chunks
-        that end on checkpoint boundaries, and store pages and checkpoints there."""
+        that end on checkpoint boundaries, and store pages and checkpoints there. With
+        `last_only`, only the last token's logits are computed (`logits_to_keep=1`): a
+        long prompt's logits would take more memory than its cache."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
             raise InvalidArgument(
                 f"input_ids must have shape [1, tokens], got {tuple(input_ids.shape)}")
@@ -207,9 +235,11 @@ class HybridCacheAdapter:
         restored = self._restore(keys[:(input_ids.shape[1] - 1) // self.config.page_tokens])
         cache, done, staged = restored.cache, restored.tokens, restored.load.match.pages
         stops, checkpoints = self._plan(done, input_ids.shape[1], len(keys))
+        extra = {"logits_to_keep": 1} if last_only else {}
         chunks, logits, stores = [], [], []
         for end in stops:
-            out = model(input_ids=input_ids[:, done:end], past_key_values=cache, use_cache=True)
+            out = model(input_ids=input_ids[:, done:end], past_key_values=cache, use_cache=True,
+                        **extra)
             chunks.append(end - done)
             logits.append(out.logits)
             done = end
@@ -222,26 +252,39 @@ class HybridCacheAdapter:
         if staged < len(keys):  # KV-only caches: the pages are cut out after one pass
             self.staging.pages_from(cache, staged, len(keys))
             stores.append(self._store(keys, checkpoint=False))
-        return Prefill(cache, torch.cat(logits, dim=1), restored.tokens, tuple(chunks),
-                       restored.load, tuple(stores))
+        kept = logits[-1] if last_only else torch.cat(logits, dim=1)
+        return Prefill(cache, kept, restored.tokens, tuple(chunks), restored.load, tuple(stores))
 
     def _plan(self, done: int, length: int, pages: int) -> tuple[list[int], set[int]]:
         """Where the forward passes end (token counts), and which of those ends are kept as
-        checkpoints, after `done`: the last full page; the last one before the final token,
-        which is as far as a later run of this same prompt loads (they differ when the
-        prompt ends on a boundary); and every `checkpoint_every` pages.
+        checkpoints, after `done`: every `checkpoint_every` pages; the end of a prompt that
+        ends on a page boundary; with `checkpoint_ends`, the last full page and the last
+        one before the final token, which is as far as a later run of this same prompt
+        loads (they differ when the prompt ends on a boundary).
         Without linear-attention state there is nothing to stop for: one pass does."""
         if not self.layout.needs_checkpoint:
             return [length], set()
         page_tokens, every = self.config.page_tokens, self.config.checkpoint_every
-        wanted = {pages, min(pages, (length - 1) // page_tokens)}
+        wanted = {pages} if pages * page_tokens == length else set()
+        if self.config.checkpoint_ends:
+            wanted |= {pages, min(pages, (length - 1) // page_tokens)}
         wanted |= set(range(every, pages, every)) if every else set()
         checkpoints = {p * page_tokens for p in wanted if p and done < p * page_tokens <= length}
         return sorted(checkpoints | {length}), checkpoints
 
 
-def _zeros_on(device: torch.device | str) -> Allocate:
-    return lambda spec: torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
+def device_buffers(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every buffer of `layout` carved out of one allocation on `device`: a CUDA IPC handle
+    exposes the whole allocation it names, so the daemon sees these rows and nothing else."""
+    align = 512  # keeps every view aligned for any dtype and for vectorised copies
+    specs = (*layout.paged, *layout.slots)
+    offsets, total = [], 0
+    for spec in specs:
+        offsets.append(total)
+        total += -(-spec.rows * spec.row_bytes // align) * align
+    block = torch.zeros(total, dtype=torch.uint8, device=device)
+    return {spec.name: block[at:at + spec.rows * spec.row_bytes].view(getattr(torch, spec.dtype))
+            .view(spec.shape) for spec, at in zip(specs, offsets)}
 
 
 def _flat(tokens: Any) -> Any:

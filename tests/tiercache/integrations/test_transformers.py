@@ -17,29 +17,18 @@ import torch
 transformers = pytest.importorskip("transformers", minversion="5.23")
 
 import tiercache  # noqa: E402
+from tiercache.client import EmbeddedClient  # noqa: E402
 from tiercache.engine import Engine, EngineConfig  # noqa: E402
 from tiercache.index import StopReason, Tier  # noqa: E402
 from tiercache.integrations.transformers import (  # noqa: E402
-    AdapterConfig, CacheSpec, HybridCacheAdapter, UnsupportedCache)
+    AdapterConfig, CacheSpec, HybridCacheAdapter, UnsupportedCache, device_buffers)
 from tiercache.tiers.disk import DiskConfig  # noqa: E402
 from tiercache.tiers.host import HostConfig  # noqa: E402
+from tests.tiercache.integrations.tiny import (  # noqa: E402
+    PAGE, VOCAB, full_prefill, greedy, in_memory, tiny_qwen3_next, tokens)
 
-PAGE = 8
-VOCAB = 128
 ADAPTER = AdapterConfig(model_id="tiny-qwen3-next@seed0", page_tokens=PAGE, max_tokens=128)
 MiB = 1 << 20
-
-
-def tiny_qwen3_next() -> torch.nn.Module:
-    """Three Gated DeltaNet layers and one full-attention layer, as in the real model."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_conv_kernel_dim=4,
-        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
-    return transformers.Qwen3NextForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")
@@ -55,35 +44,6 @@ def calls(model):
         lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
     yield seen
     handle.remove()
-
-
-def tokens(count: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (1, count), generator=torch.Generator().manual_seed(seed))
-
-
-def in_memory(model, input_ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
-    """Logits of the last of `chunks` forward passes over one cache that never left memory."""
-    cache = transformers.DynamicCache(config=model.config)
-    done = 0
-    with torch.no_grad():
-        for count in chunks:
-            out = model(input_ids=input_ids[:, done:done + count], past_key_values=cache,
-                        use_cache=True)
-            done += count
-    assert done == input_ids.shape[1]
-    return out.logits
-
-
-def full_prefill(model, input_ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=input_ids).logits
-
-
-def greedy(model, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
-    with torch.no_grad():
-        out = model.generate(input_ids=input_ids, past_key_values=cache, max_new_tokens=5,
-                             do_sample=False)
-    return out[0, input_ids.shape[1]:]
 
 
 def bytes_by_tier(match, layout) -> dict[Tier, int]:
@@ -181,7 +141,7 @@ def test_prefill_checkpoints_every_n_pages(model, calls):
     first = tokens(45, seed=6)
     run = adapter.prefill(model, first)
     assert run.chunks == (16, 16, 8, 5)
-    assert [s.checkpoint.stored for s in run.stores] == [1, 1, 1]
+    assert [s.checkpoints for s in run.stores] == [(2,), (4,), (5,)]
     torch.testing.assert_close(run.logits, full_prefill(model, first), atol=1e-4, rtol=0)
 
     # A prompt that leaves the first one inside page 3 resumes at the page-2 checkpoint.
@@ -191,6 +151,29 @@ def test_prefill_checkpoints_every_n_pages(model, calls):
     assert (run.loaded_tokens, run.chunks) == (16, (8, 5))
     assert calls == [8, 5]
     assert torch.equal(run.logits[:, -5:], in_memory(model, second, [16, 8, 5]))
+    engine.close()
+
+
+def test_prefill_without_end_checkpoints_stops_only_where_it_checkpoints(model, calls):
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=MiB)))
+    config = AdapterConfig(model_id=ADAPTER.model_id, page_tokens=PAGE, max_tokens=128,
+                           checkpoint_every=2, checkpoint_ends=False)
+    adapter = HybridCacheAdapter.for_model(model, engine, config)
+
+    # 45 tokens: passes end at the checkpoints after pages 2 and 4, then at the prompt's end;
+    # nothing is kept after page 5, which would need a pass of its own.
+    first = tokens(45, seed=16)
+    run = adapter.prefill(model, first)
+    assert run.chunks == (16, 16, 13)
+    assert [s.checkpoints for s in run.stores] == [(2,), (4,), ()]
+
+    # A prompt that ends on a page boundary keeps its end for free: one pass after the hit.
+    second = torch.cat([first[:, :32], tokens(8, seed=17)], dim=1)
+    calls.clear()
+    run = adapter.prefill(model, second)
+    assert (run.loaded_tokens, run.chunks, calls) == (32, (8,), [8])
+    assert [s.checkpoints for s in run.stores] == [(5,)]
+    assert torch.equal(run.logits, in_memory(model, second, [16, 16, 8]))  # as computed
     engine.close()
 
 
@@ -217,11 +200,50 @@ def test_store_of_a_partial_page_keeps_pages_but_no_checkpoint(model):
         model(input_ids=prompt, past_key_values=cache, use_cache=True)
     # The state after 37 tokens belongs to no page boundary: it must not be stored.
     stored = adapter.store(prompt[0], cache)
-    assert stored.pages.stored == 4 and stored.checkpoint is None
+    assert (stored.stored, stored.checkpoints) == (4, ())
     match = adapter.match(prompt[0])
     assert (match.pages, match.stop) == (0, StopReason.NO_CHECKPOINT)
     with pytest.raises(ValueError, match="seen 37 tokens but 36"):
         adapter.store(prompt[0, :36], cache)
+    engine.close()
+
+
+def test_staging_carved_from_one_allocation_round_trips(model):
+    # What a GPU worker registers (one allocation for every buffer, so a CUDA IPC handle
+    # exposes nothing else), built here on the CPU and given to an in-process engine.
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=MiB)))
+    spec = CacheSpec.probe(model, lambda: transformers.DynamicCache(config=model.config))
+    layout = spec.layout(PAGE, ADAPTER.max_pages)
+    buffers = device_buffers(layout, torch.device("cpu"))
+    assert len({t.untyped_storage().data_ptr() for t in buffers.values()}) == 1
+    worker = EmbeddedClient(engine).register(ADAPTER.model_id, layout, buffers=buffers)
+    adapter = HybridCacheAdapter(worker, spec, ADAPTER, lambda: transformers.DynamicCache(
+        config=model.config), "cpu")
+    first = tokens(37, seed=12)
+    adapter.prefill(model, first)
+    second = torch.cat([first[:, :32], tokens(6, seed=13)], dim=1)
+    run = adapter.prefill(model, second)
+    assert (run.loaded_tokens, run.chunks) == (32, (6,))
+    assert torch.equal(run.logits, in_memory(model, second, [32, 6]))
+
+    # A worker registered with another layout (here: fewer rows) is refused by name.
+    small = EmbeddedClient(engine).register(ADAPTER.model_id, spec.layout(PAGE, 4))
+    with pytest.raises(ValueError, match="another layout"):
+        HybridCacheAdapter(small, spec, ADAPTER, lambda: None, "cpu")
+    engine.close()
+
+
+def test_last_only_keeps_the_last_logits_and_prompts_under_a_page_miss(model):
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=MiB)))
+    adapter = HybridCacheAdapter.for_model(model, engine, ADAPTER)
+    prompt = tokens(21, seed=14)
+    run = adapter.prefill(model, prompt, last_only=True)
+    assert run.logits.shape == (1, 1, VOCAB) and run.computed_tokens == 21
+    torch.testing.assert_close(run.logits, full_prefill(model, prompt)[:, -1:], atol=1e-4, rtol=0)
+    # Under one full page there is no key to ask for: a miss without a call.
+    short = adapter.prefill(model, tokens(5, seed=15))
+    assert (short.loaded_tokens, short.chunks, short.stores) == (0, (5,), ())
+    assert adapter.match(tokens(5, seed=15)).pages == 0
     engine.close()
 
 
