@@ -11,7 +11,9 @@ import tomllib
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from service import tls
 from tiercache.engine import EngineConfig
+from tiercache.hashing import HASHES
 from tiercache.errors import InvalidArgument
 from tiercache.policy import make_policy
 from tiercache.tiers.device import DeviceConfig
@@ -49,6 +51,16 @@ class ServiceConfig:
     max_prompt_pages: int = 1 << 16  # keys in one request
     grace_seconds: float = 10.0  # for in-flight calls at shutdown
     flush_on_exit: bool = True  # write host entries to disk when stopping
+    # who may call, and how (service/auth.py, service/tls.py, tiercache/tenancy.py)
+    tenants_file: str = ""  # TOML: tenants, their tokens and certificate names ("": one tenant)
+    socket_tenant: str = ""  # the tenant of Unix-socket callers that bring no token
+    require_identity: bool = False  # Unix-socket callers need a token too
+    hash: str = ""  # the page hash every worker must use ("": theirs); blake2b_128 resists attacks
+    max_workers_per_tenant: int = 0  # 0: only max_workers limits a tenant
+    tls_cert: str = ""  # PEM certificate for the TCP port
+    tls_key: str = ""
+    tls_client_ca: str = ""  # PEM CA: TCP clients must present a certificate it signed (mTLS)
+    tcp_insecure: bool = False  # allow plaintext TCP on an address other machines can reach
     # operations: metrics, probes, logs (README: Operations)
     metrics_address: str = "127.0.0.1:9477"  # Prometheus /metrics; "" = off, port 0 = any free
     health_address: str = ""  # host:port serving gRPC health only, for Kubernetes probes
@@ -74,6 +86,11 @@ class ServiceConfig:
                 raise InvalidArgument(f"{name} must be positive, got {getattr(self, name)}")
         self.engine()  # the engine's own checks
         make_policy(self.policy)
+        if self.hash and self.hash not in HASHES:
+            raise InvalidArgument(f"hash {self.hash!r} is unknown: use one of {sorted(HASHES)}")
+        if self.max_workers_per_tenant < 0:
+            raise InvalidArgument("max_workers_per_tenant must be 0 (no limit) or positive")
+        tls.check(self.tcp, self.tls_cert, self.tls_key, self.tls_client_ca, self.tcp_insecure)
         self._check_operations()
         return self
 
@@ -122,6 +139,11 @@ def _overrides(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     return {k: _coerce(k, v) for k, v in values.items()}
 
 
+# TIERCACHE_* variables that are not settings: the config file's path, fault injection
+# (tiercache.failpoints), and what workers' clients read
+_NOT_SETTINGS = {"TIERCACHE_CONFIG", "TIERCACHE_FAILPOINTS", "TIERCACHE_ADDRESS", "TIERCACHE_TOKEN"}
+
+
 def load(path: str | None = None, environ: Mapping[str, str] = os.environ,
          flags: Mapping[str, Any] | None = None) -> ServiceConfig:
     """Defaults < TOML file < TIERCACHE_* environment < flags."""
@@ -130,7 +152,7 @@ def load(path: str | None = None, environ: Mapping[str, str] = os.environ,
         with open(path, "rb") as f:
             config = dataclasses.replace(config, **_overrides(tomllib.load(f), path))
     env = {k[len("TIERCACHE_"):].lower(): v for k, v in environ.items()
-           if k.startswith("TIERCACHE_") and k != "TIERCACHE_CONFIG"}
+           if k.startswith("TIERCACHE_") and k not in _NOT_SETTINGS}
     config = dataclasses.replace(config, **_overrides(env, "environment"))
     given = {k: v for k, v in (flags or {}).items() if v is not None}
     return dataclasses.replace(config, **_overrides(given, "flags")).check()

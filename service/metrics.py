@@ -87,18 +87,23 @@ METRICS = {m.name: m for m in (
            "(they tune FLOP-aware eviction)."),
     Metric("checksum_failures", "counter", "Disk entries whose checksum failed when read: dropped, "
            "never served."),
+    Metric("collisions", "counter", "Keys found whose entry another prompt stored (its check "
+           "differs): misses, never served."),
+    Metric("disk_moved_aside", "gauge", "1 if the LMDB environment was damaged at start and "
+           "moved aside (the disk tier started empty), else 0."),
     Metric("eviction_alpha", "gauge", "Weight of recency against saved FLOPs in FLOP-aware "
            "eviction (absent under LRU)."),
     Metric("registered_workers", "gauge", "Workers registered now."),
     Metric("ipc_allocations", "gauge", "CUDA allocations of workers that the daemon holds open."),
 )}
 
-# Plain engine counters, one metric each.
+# Plain engine counters (and the disk_moved_aside flag), one metric each.
 _PLAIN = {"matches": "matches", "match_requested_pages": "requested_pages", "loads": "loads",
           "loaded_pages": "loaded_pages", "demotions": "demoted", "disk_writes": "disk_writes",
           "promotions": "promoted", "prefetches": "prefetches",
           "promotion_waits": "promotion_waits", "eviction_regrets": "regrets",
-          "checksum_failures": "checksum_failures"}
+          "checksum_failures": "checksum_failures", "collisions": "collisions",
+          "disk_moved_aside": "disk_moved_aside"}
 # Labelled engine counters: metric -> {label values: counter}.
 _LABELLED = {
     "matched_pages": {(t,): f"matched_pages_{t}" for t in TIERS},

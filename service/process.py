@@ -27,11 +27,13 @@ def spawn(data_dir: str | Path, *flags: str,
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert process.stdout is not None
-    first = process.stdout.readline()
-    if "listening" not in first:
+    said = [process.stdout.readline()]
+    while said[-1] and "listening" not in said[-1]:  # warnings may come first
+        said.append(process.stdout.readline())
+    if "listening" not in said[-1]:
         process.kill()
-        raise RuntimeError(f"the daemon did not start: {first}{process.stdout.read()}")
-    process.startup_line = first  # type: ignore[attr-defined]
+        raise RuntimeError(f"the daemon did not start: {''.join(said)}{process.stdout.read()}")
+    process.startup_line = said[-1]  # type: ignore[attr-defined]
     forward = threading.Thread(target=_forward, args=(process.stdout,), daemon=True)
     if forward_output:
         forward.start()

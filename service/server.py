@@ -23,6 +23,8 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from service import tls
+from service.auth import Authenticator, load_tenants
 from service.config import ServiceConfig
 from service.endpoints import Endpoints
 from service.errors import ErrorInterceptor
@@ -31,6 +33,7 @@ from service.metrics import registry_for
 from service.observe import ObservingInterceptor
 from service.servicer import TiercacheServicer
 from service.workers import WorkerRegistry
+from tiercache import failpoints, tenancy
 from tiercache.engine import Engine
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
@@ -81,9 +84,14 @@ def _free_socket(path: str) -> None:
 
 
 def start(config: ServiceConfig) -> Daemon:
+    auth = Authenticator(load_tenants(config.tenants_file), config.socket_tenant,
+                         config.require_identity, config.hash)
+    os.makedirs(config.data_dir, exist_ok=True)
+    secret = tenancy.load_secret(os.path.join(config.data_dir, "secret"))
     engine = Engine.open(config.engine())
-    registry = WorkerRegistry(config.max_workers, engine.quiesce)
-    servicer = TiercacheServicer(engine, registry, config.max_prompt_pages)
+    registry = WorkerRegistry(config.max_workers, engine.quiesce, secret,
+                              config.max_workers_per_tenant)
+    servicer = TiercacheServicer(engine, registry, config.max_prompt_pages, auth)
     metrics, call_metrics = registry_for(engine, registry.__len__, registry.ipc_allocations)
     # every registered worker holds one stream (and one thread) open for its lifetime
     calls = config.max_concurrent_rpcs + config.max_workers
@@ -93,16 +101,18 @@ def start(config: ServiceConfig) -> Daemon:
         maximum_concurrent_rpcs=calls,
         options=[("grpc.max_receive_message_length", config.max_message_bytes),
                  ("grpc.max_send_message_length", config.max_message_bytes),
-                 ("grpc.so_reuseport", 0)])
+                 ("grpc.so_reuseport", 0),
+                 # a client pinging more than once a minute between calls is sent away
+                 # (GOAWAY after two strikes): a ping flood costs the daemon nothing
+                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 60_000),
+                 ("grpc.http2.max_ping_strikes", 2)])
     pb_grpc.add_TiercacheServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(REFLECTED, server)
     addresses = [_bind_socket(server, config.socket_path)]
     if config.tcp:
-        if not server.add_insecure_port(config.tcp):
-            raise RuntimeError(f"cannot listen on {config.tcp}: is the port taken?")
-        addresses.append(config.tcp)
+        addresses.append(_bind_tcp(server, config))
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -113,6 +123,19 @@ def start(config: ServiceConfig) -> Daemon:
         daemon.stop()
         raise
     return daemon
+
+
+def _bind_tcp(server: grpc.Server, config: ServiceConfig) -> str:
+    if config.tls_cert:
+        port = server.add_secure_port(config.tcp, tls.server_credentials(
+            config.tls_cert, config.tls_key, config.tls_client_ca))
+    else:
+        log.warning("TCP %s is plaintext: anyone who can reach it can read and send keys",
+                    config.tcp)
+        port = server.add_insecure_port(config.tcp)
+    if not port:
+        raise RuntimeError(f"cannot listen on {config.tcp}: is the port taken?")
+    return config.tcp.rsplit(":", 1)[0] + f":{port}"  # the port given, or the one picked for :0
 
 
 def _bind_socket(server: grpc.Server, path: str) -> str:
@@ -132,6 +155,10 @@ def serve(config: ServiceConfig) -> int:
     torch.set_num_threads(1)
     # the text format would show each counter's creation time as a gauge of its own
     prometheus_client.disable_created_metrics()
+    armed = os.environ.get("TIERCACHE_FAILPOINTS", "")
+    if armed:  # fault-injection drills only (tiercache.failpoints)
+        log.warning("failpoints armed: %s", armed)
+        failpoints.arm_from(armed)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -4,12 +4,14 @@ raised as tiercache errors and turned into status codes by service.errors."""
 from __future__ import annotations
 
 import threading
+from contextlib import AbstractContextManager
 from typing import Iterator
 
 import grpc
 import numpy as np
 import torch
 
+from service.auth import Authenticator
 from service.workers import Registration, WorkerRegistry
 from tiercache.engine import Engine
 from tiercache.errors import DeadlineExceeded, InvalidArgument
@@ -33,12 +35,30 @@ def _event(handle: bytes, worker: Registration) -> torch.cuda.Event | None:
         raise InvalidArgument(f"ready_event is not a CUDA IPC event handle: {error}") from None
 
 
+# A store copies worker rows only while the worker still waits for the reply: once its
+# deadline passes, it may write those rows again. The daemon's clock for the deadline
+# starts when the call arrives, after the worker's, so it stops this much earlier.
+_DEADLINE_MARGIN = 0.05
+
+
+def _waiting(context: grpc.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return context.is_active() and (remaining is None or remaining > _DEADLINE_MARGIN)
+
+
 class TiercacheServicer(pb_grpc.TiercacheServicer):
-    def __init__(self, engine: Engine, registry: WorkerRegistry, max_prompt_pages: int) -> None:
+    def __init__(self, engine: Engine, registry: WorkerRegistry, max_prompt_pages: int,
+                 auth: Authenticator | None = None) -> None:
         self.engine = engine
         self.registry = registry
         self.max_prompt_pages = max_prompt_pages
+        self.auth = auth or Authenticator({})
         self.stopping = threading.Event()
+
+    def _worker(self, worker_id: str, context: grpc.ServicerContext
+                ) -> AbstractContextManager[Registration]:
+        """The caller's registration `worker_id`: the caller must be who registered it."""
+        return self.registry.use(worker_id, self.auth.identify(context))
 
     def _keys(self, data: bytes, context: grpc.ServicerContext) -> np.ndarray:
         """Check the deadline and the keys of a request; the keys as a uint64 (n, 2) array."""
@@ -55,9 +75,20 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                                   f"{self.max_prompt_pages} per request: split the prompt")
         return np.frombuffer(data, "<u8").reshape(-1, 2)
 
+    @staticmethod
+    def _checks(data: bytes, keys: np.ndarray) -> np.ndarray | None:
+        """The checks of a request (8 bytes per key), or None when it sent none."""
+        if not data:
+            return None
+        if len(data) != 8 * len(keys):
+            raise InvalidArgument(f"checks are 8 bytes per key: got {len(data)} bytes for "
+                                  f"{len(keys)} keys")
+        return np.frombuffer(data, "<u8")
+
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext
                  ) -> Iterator[pb.RegisterResponse]:
-        registration = self.registry.add(request, tenant="")
+        identity = self.auth.identify(context)
+        registration = self.registry.add(request, identity, self.auth.hash_of(identity.tenant))
         # the stream's end, for whatever reason (worker gone, unregister, shutdown), unregisters
         if not context.add_callback(lambda: self.registry.remove(registration.id)):
             self.registry.remove(registration.id)  # the call ended already
@@ -71,24 +102,30 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
 
     def Unregister(self, request: pb.UnregisterRequest, context: grpc.ServicerContext
                    ) -> pb.UnregisterResponse:
-        if not self.registry.remove(request.worker_id):
-            with self.registry.use(request.worker_id):  # raises NotFound with the reason
-                pass
+        with self._worker(request.worker_id, context):  # raises NotFound or PermissionDenied
+            pass
+        self.registry.remove(request.worker_id)
         return pb.UnregisterResponse()
 
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
         keys = self._keys(request.keys, context)
-        with self.registry.use(request.worker_id) as worker:
-            match = self.engine.match(worker.layout, keys, prefetch=request.prefetch)
+        checks = self._checks(request.checks, keys)
+        with self._worker(request.worker_id, context) as worker:
+            match = self.engine.match(worker.layout, worker.engine_keys(keys),
+                                      prefetch=request.prefetch, checks=checks)
         return pb.MatchResponse(match=match_to_proto(match))
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
         keys = self._keys(request.keys, context)
-        with self.registry.use(request.worker_id) as worker:
+        checks = self._checks(request.checks, keys)
+        with self._worker(request.worker_id, context) as worker:
             slot = request.slot if request.HasField("slot") else None
+            keys = worker.engine_keys(keys)
             result = self.engine.load(worker.buffers, keys, np.asarray(request.kv_rows, np.int64), slot,
                                       ready=_event(request.ready_event, worker),
-                                      asynchronous=request.asynchronous)
+                                      # copies into CPU workers are synchronous anyway
+                                      asynchronous=request.asynchronous and
+                                      worker.buffers.device.type == "cuda", checks=checks)
         return load_to_proto(result)
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
@@ -96,18 +133,24 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         checkpoints = {c.pages: c.slot for c in request.checkpoints}
         if len(checkpoints) != len(request.checkpoints):
             raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
-        with self.registry.use(request.worker_id) as worker:
+        checks = self._checks(request.checks, keys)
+        with self._worker(request.worker_id, context) as worker:
+            layout, keys = worker.layout, worker.engine_keys(keys)
             result = self.engine.store(worker.buffers, keys, np.asarray(request.kv_rows, np.int64),
-                                       checkpoints, ready=_event(request.ready_event, worker))
+                                       checkpoints, ready=_event(request.ready_event, worker),
+                                       checks=checks, alive=lambda: _waiting(context))
+        if request.durable:  # the rows are copied: the registration is not needed any more
+            self.engine.persist(layout, keys, result, timeout=context.time_remaining())
         return store_to_proto(result)
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
         keys = self._keys(request.keys, context)
-        with self.registry.use(request.worker_id):
-            evicted = self.engine.evict(keys, tier_from_proto(request.tier))
+        with self._worker(request.worker_id, context) as worker:
+            evicted = self.engine.evict(worker.engine_keys(keys), tier_from_proto(request.tier))
         return pb.EvictResponse(evicted=evicted)
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        self.auth.identify(context)  # figures of every tenant together: callers must be known
         stats = self.engine.stats()
         counters = {**stats.counters, "ipc_allocations": self.registry.ipc_allocations()}
         return pb.StatsResponse(tiers=[tier_stats_to_proto(t) for t in stats.tiers],

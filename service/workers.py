@@ -10,11 +10,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
-from tiercache import cuda_ipc, shm
+from service.auth import Identity
+from tiercache import cuda_ipc, shm, tenancy
 from tiercache.buffers import WorkerBuffers
-from tiercache.errors import InvalidArgument, NotFound, ResourceExhausted
+from tiercache.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from tiercache.hashing import Namespace, PageKey
 from tiercache.layout import Layout
 from tiercache.v1 import tiercache_pb2 as pb
@@ -30,11 +32,17 @@ class Registration:
     opened: list = field(default_factory=list)  # CUDA IPC allocations to close at the end
     active: int = 0
     gone: threading.Event = field(default_factory=threading.Event)
+    identity: Identity = Identity("", "anyone")  # who registered: every call must be them
+    mask: np.ndarray | None = None  # the tenant's key mask (tiercache.tenancy), if any
 
     @property
     def layout(self) -> Layout:
         assert self.buffers is not None
         return self.buffers.layout
+
+    def engine_keys(self, keys: np.ndarray) -> np.ndarray:
+        """The keys a worker sent, as the engine stores them for its tenant."""
+        return keys if self.mask is None else tenancy.masked(keys, self.mask)
 
 
 def map_buffers(layout: Layout, locations: Sequence[pb.BufferLocation]
@@ -93,8 +101,11 @@ def _open_cuda(layout: Layout, locations: Sequence[pb.BufferLocation],
 
 
 class WorkerRegistry:
-    def __init__(self, max_workers: int, quiesce: Callable[[WorkerBuffers], None]) -> None:
+    def __init__(self, max_workers: int, quiesce: Callable[[WorkerBuffers], None],
+                 secret: bytes | None = None, max_per_tenant: int = 0) -> None:
         self.max_workers = max_workers
+        self.max_per_tenant = max_per_tenant  # 0: no limit beyond max_workers
+        self._secret = secret  # masks keys per tenant (tiercache.tenancy); None: no masks
         self._quiesce = quiesce  # returns once no copy touches these buffers
         self._workers: dict[str, Registration] = {}
         self._changed = threading.Condition()
@@ -107,28 +118,55 @@ class WorkerRegistry:
         with self._changed:
             return sum(len(r.opened) for r in self._workers.values())
 
-    def add(self, request: pb.RegisterRequest, tenant: str) -> Registration:
+    def add(self, request: pb.RegisterRequest, identity: Identity = Identity("", "anyone"),
+            hash_name: str = "") -> Registration:
+        """Register a worker of `identity`'s tenant; `hash_name`, if given, overrides the
+        page hash the worker asked for (the reply tells it which to use)."""
         if not request.model_id:
             raise InvalidArgument("model_id is empty: name the model whose bytes these are")
         layout = layout_from_proto(request.layout)
-        namespace = Namespace(request.model_id, layout.fingerprint, tenant,
-                              tuple(request.extra_keys), request.hash or "xxh3_128")
+        namespace = Namespace(request.model_id, layout.fingerprint, identity.tenant,
+                              tuple(request.extra_keys), hash_name or request.hash or "xxh3_128")
+        root = namespace.root()  # checks the namespace before any buffer is mapped
+        self._check_room(identity.tenant)
         buffers, opened = map_buffers(layout, request.buffers)
-        registration = Registration(secrets.token_hex(12), namespace, namespace.root(), buffers, opened)
+        mask = None if self._secret is None else tenancy.tenant_mask(self._secret, identity.tenant)
+        registration = Registration(secrets.token_hex(12), namespace, root, buffers, opened,
+                                    identity=identity, mask=mask)
+        with self._changed:
+            try:
+                self._check_room(identity.tenant)
+            except ResourceExhausted:
+                registration.buffers = None
+                for allocation in opened:
+                    allocation.close()
+                raise
+            self._workers[registration.id] = registration
+        return registration
+
+    def _check_room(self, tenant: str) -> None:
         with self._changed:
             if len(self._workers) >= self.max_workers:
                 raise ResourceExhausted(f"{self.max_workers} workers are registered already: "
                                         "unregister one or raise --max-workers")
-            self._workers[registration.id] = registration
-        return registration
+            mine = sum(r.identity.tenant == tenant for r in self._workers.values())
+            if self.max_per_tenant and mine >= self.max_per_tenant:
+                raise ResourceExhausted(f"this tenant has {mine} workers registered, the most "
+                                        "one tenant may: unregister one or raise "
+                                        "--max-workers-per-tenant")
 
     @contextmanager
-    def use(self, worker_id: str) -> Iterator[Registration]:
+    def use(self, worker_id: str, identity: Identity | None = None) -> Iterator[Registration]:
+        """The registration of `worker_id`, in use until the block ends; with `identity`,
+        only if that identity registered it."""
         with self._changed:
             registration = self._workers.get(worker_id)
             if registration is None:
                 raise NotFound(f"worker {worker_id!r} is not registered (it unregistered, its "
                                "registration stream closed, or the daemon restarted): register again")
+            if identity is not None and identity != registration.identity:
+                raise PermissionDenied(f"worker {worker_id!r} was registered by another "
+                                       "identity: use the credentials it registered with")
             registration.active += 1
         try:
             yield registration

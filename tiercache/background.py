@@ -8,8 +8,11 @@ once every kick so far has been worked off, and re-raises what a step raised mea
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable
+
+log = logging.getLogger("tiercache.background")
 
 
 class Background:
@@ -67,6 +70,7 @@ class Background:
                 while self._step():
                     pass
             except BaseException as error:  # kept for drain(): the thread must live on
+                log.exception("%s: a background step failed (its work stays undone)", self._name)
                 with self._cond:
                     self._error = error
             finally:

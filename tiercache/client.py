@@ -7,7 +7,12 @@
     worker.store(tokens, kv_rows=rows, checkpoints={len(tokens) // 16 * 16: 3})
 
 Checkpoints are offered by token position (a multiple of the page size): the state
-after that many tokens, in the given state slot.
+after that many tokens, in the given state slot. Calls given tokens also send each page's
+check (hashing.page_chain), so a key collision is a miss; calls given keys send none.
+`store(..., durable=True)` returns only once the prompt is committed to disk.
+
+Over TCP, pass `tls=Tls(...)` (and a client certificate for mTLS); where the daemon maps
+tokens to tenants, pass `token=`: it goes with every call as `authorization: Bearer`.
 
 GPU workers pass their own CUDA tensors to `register(..., buffers=...)`; the daemon maps
 them by CUDA IPC. Their copies are ordered with the worker's current CUDA stream in both
@@ -23,12 +28,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 import grpc
+import numpy as np
 import torch
 
 from tiercache.buffers import WorkerBuffers
 from tiercache.engine import Engine, EngineConfig, LoadResult, StoreResult, TierStats
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
-from tiercache.hashing import Keys, Namespace, PageKey, key_array, page_keys
+from tiercache.hashing import Keys, Namespace, PageKey, key_array, page_chain, page_keys
 from tiercache.index import Match, Tier
 from tiercache.layout import Layout
 from tiercache.shm import SharedBuffers
@@ -48,13 +54,43 @@ class CacheStats:
     workers: int
 
 
-class Backend(Protocol):
-    """What a Worker needs from the cache, with keys packed as bytes."""
+@dataclass(frozen=True)
+class Tls:
+    """TLS for a TCP connection: the CA that signed the daemon's certificate, and for mTLS
+    this worker's certificate and key (PEM files)."""
 
-    def match(self, keys: bytes, prefetch: bool) -> Match: ...
-    def load(self, keys: bytes, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult: ...
-    def store(self, keys: bytes, rows: Sequence[int], checkpoints: Mapping[int, int]) -> StoreResult: ...
-    def evict(self, keys: bytes, tier: Tier | None) -> int: ...
+    ca_file: str
+    cert_file: str = ""
+    key_file: str = ""
+    server_name: str = ""  # the name in the daemon's certificate, if not the address's host
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str) -> bytes | None:
+            if not path:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+        return grpc.ssl_channel_credentials(read(self.ca_file), read(self.key_file),
+                                            read(self.cert_file))
+
+
+@dataclass(frozen=True)
+class Request:
+    """A prompt as it goes on the wire: keys and (when hashed from tokens) checks, packed."""
+
+    keys: bytes
+    checks: bytes = b""
+
+
+class Backend(Protocol):
+    """What a Worker needs from the cache."""
+
+    def match(self, prompt: Request, prefetch: bool) -> Match: ...
+    def load(self, prompt: Request, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult: ...
+    def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
+              durable: bool) -> StoreResult: ...
+    def evict(self, prompt: Request, tier: Tier | None) -> int: ...
+    def connected(self) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -74,10 +110,13 @@ class Worker:
         """The page keys of a prompt in this worker's namespace (full pages only)."""
         return page_keys(tokens, self.root, self.layout.page_tokens, self.hash_name)
 
-    def _packed(self, tokens: Any, keys: Keys | None) -> bytes:
+    def _packed(self, tokens: Any, keys: Keys | None) -> Request:
         if (tokens is None) == (keys is None):
             raise InvalidArgument("give either tokens or keys")
-        return key_array(self.keys(tokens) if keys is None else keys).tobytes()
+        if keys is not None:
+            return Request(key_array(keys).tobytes())
+        chain = page_chain(tokens, self.root, self.layout.page_tokens, self.hash_name)
+        return Request(key_array(chain.keys).tobytes(), chain.checks.astype("<u8").tobytes())
 
     def match(self, tokens: Any = None, *, keys: Keys | None = None, prefetch: bool = False) -> Match:
         return self._backend.match(self._packed(tokens, keys), prefetch)
@@ -89,19 +128,26 @@ class Worker:
         return self._backend.load(self._packed(tokens, keys), list(kv_rows), slot, synchronous)
 
     def store(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
-              checkpoints: Mapping[int, int] | None = None) -> StoreResult:
+              checkpoints: Mapping[int, int] | None = None, durable: bool = False) -> StoreResult:
         """Store the prompt's pages from kv_rows and the checkpoints offered, {token position:
-        state slot}, each position a multiple of the page size."""
+        state slot}, each position a multiple of the page size. With `durable`, return only
+        once they are committed to disk (they survive the daemon crashing)."""
         page = self.layout.page_tokens
         bad = [p for p in (checkpoints or {}) if p <= 0 or p % page]
         if bad:
             raise InvalidArgument(f"checkpoint position {bad[0]} is not a positive multiple of the "
                                   f"page size {page}: states are kept at page boundaries only")
         pages = {p // page: slot for p, slot in (checkpoints or {}).items()}
-        return self._backend.store(self._packed(tokens, keys), list(kv_rows), pages)
+        return self._backend.store(self._packed(tokens, keys), list(kv_rows), pages, durable)
 
     def evict(self, tokens: Any = None, *, keys: Keys | None = None, tier: Tier | None = None) -> int:
         return self._backend.evict(self._packed(tokens, keys), tier)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the registration still stands. A daemon that went away cannot finish
+        asynchronous loads that already replied: if this turns False, recompute them."""
+        return self._backend.connected()
 
     def close(self) -> None:
         self._backend.close()
@@ -132,20 +178,24 @@ def _ready_event(device: torch.device | None) -> torch.cuda.Event | None:
 
 class _Remote:
     def __init__(self, stub: pb_grpc.TiercacheStub, worker_id: str, stream: Any,
-                 shared: SharedBuffers | None, device: torch.device | None, timeout: float) -> None:
+                 shared: SharedBuffers | None, device: torch.device | None, timeout: float,
+                 metadata: tuple[tuple[str, str], ...]) -> None:
         self._stub, self._id, self._stream = stub, worker_id, stream
         self._shared, self._device, self._timeout = shared, device, timeout
+        self._call = {"timeout": timeout, "metadata": metadata}
 
-    def match(self, keys: bytes, prefetch: bool) -> Match:
-        request = pb.MatchRequest(worker_id=self._id, keys=keys, prefetch=prefetch)
-        return match_from_proto(_rpc(lambda: self._stub.Match(request, timeout=self._timeout)).match)
+    def match(self, prompt: Request, prefetch: bool) -> Match:
+        request = pb.MatchRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
+                                  prefetch=prefetch)
+        return match_from_proto(_rpc(lambda: self._stub.Match(request, **self._call)).match)
 
-    def load(self, keys: bytes, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult:
+    def load(self, prompt: Request, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult:
         ready = _ready_event(self._device)
-        request = pb.LoadRequest(worker_id=self._id, keys=keys, kv_rows=rows, slot=slot,
+        request = pb.LoadRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
+                                 kv_rows=rows, slot=slot,
                                  ready_event=ready.ipc_handle() if ready else b"",
                                  asynchronous=ready is not None and not synchronous)
-        reply = _rpc(lambda: self._stub.Load(request, timeout=self._timeout))
+        reply = _rpc(lambda: self._stub.Load(request, **self._call))
         result = load_from_proto(reply)
         if reply.done_event:
             done = torch.cuda.Event.from_ipc_handle(self._device, reply.done_event)
@@ -153,17 +203,22 @@ class _Remote:
             result = LoadResult(result.match, result.bytes_from, result.damaged, done)
         return result
 
-    def store(self, keys: bytes, rows: Sequence[int], checkpoints: Mapping[int, int]) -> StoreResult:
+    def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
+              durable: bool) -> StoreResult:
         ready = _ready_event(self._device)
-        request = pb.StoreRequest(worker_id=self._id, keys=keys, kv_rows=rows,
+        request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
+                                  kv_rows=rows, durable=durable,
                                   ready_event=ready.ipc_handle() if ready else b"",
                                   checkpoints=[pb.Checkpoint(pages=n, slot=s)
                                                for n, s in sorted(checkpoints.items())])
-        return store_from_proto(_rpc(lambda: self._stub.Store(request, timeout=self._timeout)))
+        return store_from_proto(_rpc(lambda: self._stub.Store(request, **self._call)))
 
-    def evict(self, keys: bytes, tier: Tier | None) -> int:
-        request = pb.EvictRequest(worker_id=self._id, keys=keys, tier=int(tier or 0))
-        return _rpc(lambda: self._stub.Evict(request, timeout=self._timeout)).evicted
+    def evict(self, prompt: Request, tier: Tier | None) -> int:
+        request = pb.EvictRequest(worker_id=self._id, keys=prompt.keys, tier=int(tier or 0))
+        return _rpc(lambda: self._stub.Evict(request, **self._call)).evicted
+
+    def connected(self) -> bool:
+        return not self._stream.done()  # the registration stream ends with the daemon
 
     def close(self) -> None:
         self._stream.cancel()  # ends the registration: the daemon unmaps the buffers
@@ -175,12 +230,18 @@ class Client:
     """A connection to a tiercache daemon (`unix:PATH` or `host:port`)."""
 
     def __init__(self, address: str | None = None, timeout: float = 30.0,
-                 max_message_bytes: int = 16 << 20) -> None:
+                 max_message_bytes: int = 16 << 20, token: str | None = None,
+                 tls: Tls | None = None) -> None:
         self.address = address or os.environ.get("TIERCACHE_ADDRESS", DEFAULT_ADDRESS)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.address, options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)])
+        token = token if token is not None else os.environ.get("TIERCACHE_TOKEN", "")
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if tls is not None and tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        self._channel = (grpc.secure_channel(self.address, tls.credentials(), options)
+                         if tls is not None else grpc.insecure_channel(self.address, options))
         self._stub = pb_grpc.TiercacheStub(self._channel)
 
     def register(self, model_id: str, layout: Layout, extra_keys: Sequence[str] = (),
@@ -201,7 +262,8 @@ class Client:
         request = pb.RegisterRequest(model_id=model_id, layout=layout_to_proto(layout),
                                      extra_keys=extra_keys, hash=hash_name, buffers=locations)
         try:
-            stream: Iterator[pb.RegisterResponse] = self._stub.Register(request)
+            stream: Iterator[pb.RegisterResponse] = self._stub.Register(request,
+                                                                      metadata=self._metadata)
             reply = _rpc(lambda: next(stream))
         except (TiercacheError, StopIteration) as error:
             if shared is not None:
@@ -209,11 +271,13 @@ class Client:
             if isinstance(error, StopIteration):
                 raise Unavailable(f"the daemon at {self.address} closed the registration") from None
             raise
-        backend = _Remote(self._stub, reply.worker_id, stream, shared, device, self.timeout)
+        backend = _Remote(self._stub, reply.worker_id, stream, shared, device, self.timeout,
+                          self._metadata)
         return Worker(backend, layout, PageKey(reply.namespace_root), reply.hash, tensors)
 
     def stats(self) -> CacheStats:
-        reply = _rpc(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout))
+        reply = _rpc(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout,
+                                              metadata=self._metadata))
         return CacheStats(tuple(tier_stats_from_proto(t) for t in reply.tiers), dict(reply.counters),
                           reply.workers)
 
@@ -236,27 +300,41 @@ def _cuda_locations(buffers: Mapping[str, torch.Tensor]) -> list[pb.BufferLocati
 
 
 # -- in-process ------------------------------------------------------------------------
+def _checks(prompt: Request) -> np.ndarray | None:
+    return np.frombuffer(prompt.checks, "<u8") if prompt.checks else None
+
+
 class _Embedded:
     def __init__(self, engine: Engine, buffers: WorkerBuffers) -> None:
         self._engine, self._buffers = engine, buffers
 
-    def match(self, keys: bytes, prefetch: bool) -> Match:
-        return self._engine.match(self._buffers.layout, keys, prefetch=prefetch)
+    def match(self, prompt: Request, prefetch: bool) -> Match:
+        return self._engine.match(self._buffers.layout, prompt.keys, prefetch=prefetch,
+                                  checks=_checks(prompt))
 
-    def load(self, keys: bytes, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult:
+    def load(self, prompt: Request, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult:
         device = self._buffers.device if self._buffers.device.type == "cuda" else None
-        result = self._engine.load(self._buffers, keys, rows, slot, ready=_ready_event(device),
-                                   asynchronous=device is not None and not synchronous)
+        result = self._engine.load(self._buffers, prompt.keys, rows, slot, ready=_ready_event(device),
+                                   asynchronous=device is not None and not synchronous,
+                                   checks=_checks(prompt))
         if result.done is not None:
             torch.cuda.current_stream(device).wait_event(result.done)
         return result
 
-    def store(self, keys: bytes, rows: Sequence[int], checkpoints: Mapping[int, int]) -> StoreResult:
+    def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
+              durable: bool) -> StoreResult:
         device = self._buffers.device if self._buffers.device.type == "cuda" else None
-        return self._engine.store(self._buffers, keys, rows, checkpoints, ready=_ready_event(device))
+        result = self._engine.store(self._buffers, prompt.keys, rows, checkpoints,
+                                    ready=_ready_event(device), checks=_checks(prompt))
+        if durable:
+            self._engine.persist(self._buffers.layout, prompt.keys, result)
+        return result
 
-    def evict(self, keys: bytes, tier: Tier | None) -> int:
-        return self._engine.evict(keys, tier)
+    def evict(self, prompt: Request, tier: Tier | None) -> int:
+        return self._engine.evict(prompt.keys, tier)
+
+    def connected(self) -> bool:
+        return True
 
     def close(self) -> None:
         pass

@@ -17,13 +17,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from tiercache import failpoints
 from tiercache.admission import admit, entry_values
 from tiercache.buffers import WorkerBuffers, row_ids
-from tiercache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from tiercache.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from tiercache.hashing import Keys, key_array
 from tiercache.index import Hit, Index, Kind, Match, StopReason, Tier
 from tiercache.keymap import KeyMap
@@ -64,6 +65,19 @@ def _pages(buffers: WorkerBuffers, transfer: Transfer) -> Group:
 def _checkpoints(buffers: WorkerBuffers, transfer: Transfer) -> Group:
     return Group(Kind.CHECKPOINT, buffers.slots, buffers.slot_offsets,
                  buffers.layout.checkpoint_bytes, transfer)
+
+
+Alive = Callable[[], bool]
+
+
+def _checks(checks: np.ndarray | None, keys: np.ndarray) -> np.ndarray | None:
+    """Checks as uint64, one per key, or None."""
+    if checks is None:
+        return None
+    checks = np.asarray(checks, np.uint64).reshape(-1)
+    if len(checks) != len(keys):
+        raise InvalidArgument(f"got {len(checks)} checks for {len(keys)} keys: give one per key")
+    return checks
 
 
 class Engine:
@@ -114,7 +128,7 @@ class Engine:
                 self.index.tick()
             batch = list(records)
             self.index.publish(kind, key_array([r.key for r in batch]), [r.depth for r in batch],
-                               nbytes, Tier.DISK)
+                               nbytes, Tier.DISK, checks=np.array([r.check for r in batch], np.uint64))
 
     def drain(self) -> None:
         """Wait until the background work asked for so far is done: after a write-through
@@ -203,14 +217,21 @@ class Engine:
 
     # -- store ------------------------------------------------------------------------
     def store(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
-              checkpoints: Mapping[int, int] | None = None, ready: Any = None) -> StoreResult:
+              checkpoints: Mapping[int, int] | None = None, ready: Any = None, *,
+              checks: np.ndarray | None = None, alive: Alive | None = None) -> StoreResult:
         """Store a prompt after prefill: its KV pages (keys[i] from rows[i]; none for a
         layout without paged buffers) and, of the checkpoints offered, {pages: state slot}
         (each the state after that many pages), those the admission policy keeps. The
         result names the checkpoints now cached. On a GPU, copies start after `ready` (an
         event the worker recorded after writing the rows); the call returns when the
-        worker may reuse its rows."""
+        worker may reuse its rows.
+
+        `checks` (uint64, one per key, e.g. hashing.page_checks) go with the entries: a
+        match must bring the same to hit them. `alive` says whether the caller still
+        waits: once it does not, the worker may be writing its rows again, so a batch
+        copied after that is dropped instead of published."""
         layout, chain = buffers.layout, key_array(keys)
+        checks = _checks(checks, chain)
         offered = dict(checkpoints or {})
         bad = [n for n in offered if not 0 < n <= len(chain)]
         if bad:
@@ -231,7 +252,7 @@ class Engine:
         with self._lock:
             self.counters["declined_checkpoints"] += len(offered) - len(kept)
         return self._store_chain(buffers, chain, src if layout.needs_pages else None,
-                                 {n: slots[n] for n in kept.tolist()}, ready)
+                                 {n: slots[n] for n in kept.tolist()}, ready, checks, alive)
 
     def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],
                     ready: Any = None) -> StoreResult:
@@ -254,6 +275,38 @@ class Engine:
         src = row_ids([slot], buffers.layout.slot_rows, "state slot")
         return self._store_chain(buffers, chain, None, {len(chain): int(src[0])}, ready)
 
+    def persist(self, layout: Layout, keys: Keys, stored: StoreResult,
+                timeout: float | None = None) -> None:
+        """Return once the entries of a store (every page of the chain, for a layout with
+        paged buffers, and the checkpoints `stored` names) are committed to disk: what a
+        durable store acknowledges. Raises if they cannot all get there."""
+        if self.disk is None:
+            raise FailedPrecondition("durable stores need a disk tier: start the daemon with one")
+        if stored.skipped:
+            raise ResourceExhausted(f"{stored.skipped} entries of the store found no room in "
+                                    "memory, so they cannot be made durable: raise the budgets")
+        chain = key_array(keys)
+        depths = np.asarray(stored.checkpoints, np.int64)
+        for _ in range(2):  # the second pass writes what was evicted down meanwhile
+            with self._lock:
+                self._check_open()
+                rows = np.concatenate([
+                    self.index.rows_of(Kind.PAGE, chain) if layout.needs_pages else [],
+                    self.index.rows_of(Kind.CHECKPOINT, chain[depths - 1])]).astype(np.int64)
+                if np.any(rows < 0):
+                    raise ResourceExhausted("entries of the store were evicted before they "
+                                            "reached disk: raise the budgets for durable stores")
+                rows = rows[~self.index.in_tier(rows, Tier.DISK)]
+                if not len(rows):
+                    return
+                if self.tiers.device is not None:  # device-only entries go down first
+                    self.tiers.copy_down(rows[~self.index.in_tier(rows, Tier.HOST)])
+            if not self.moving.write_and_wait(rows, timeout):
+                raise DeadlineExceeded("the deadline passed before the store reached disk: "
+                                       "its entries may or may not be durable")
+        raise ResourceExhausted("the disk tier could not take the store's entries: raise "
+                                "--disk-map-size or store without durable")
+
     def _page_rows(self, layout: Layout, chain: np.ndarray, rows: Sequence[int]) -> np.ndarray:
         src = row_ids(rows, layout.page_rows, "kv row")
         if len(src) != len(chain):
@@ -268,7 +321,8 @@ class Engine:
         return int(missing[0]) if len(missing) else len(chain)
 
     def _store_chain(self, buffers: WorkerBuffers, chain: np.ndarray, src: np.ndarray | None,
-                     offers: dict[int, int], ready: Any = None) -> StoreResult:
+                     offers: dict[int, int], ready: Any = None, checks: np.ndarray | None = None,
+                     alive: Alive | None = None) -> StoreResult:
         """Store the pages of a chain (if `src`) and checkpoints {pages: slot}, all under one
         stamp, each entry rated by what it saves (admission.entry_values)."""
         layout, depths = buffers.layout, np.array(sorted(offers), np.int64)
@@ -283,7 +337,7 @@ class Engine:
         result = StoreResult(0, 0, 0)
         if src is not None:
             result += self._store(_pages(buffers, transfer), chain, np.arange(1, len(chain) + 1),
-                                  src, page_values, stamp, ready)[0]
+                                  src, page_values, stamp, ready, checks, alive)[0]
         elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
             with self._lock:
                 rows = self.index.rows_of(Kind.PAGE, chain)
@@ -291,19 +345,21 @@ class Engine:
         if len(depths):
             part, kept = self._store(_checkpoints(buffers, transfer), chain[depths - 1], depths,
                                      np.array([offers[d] for d in depths.tolist()], np.int64),
-                                     end_values[np.searchsorted(ends, depths)], stamp, ready)
+                                     end_values[np.searchsorted(ends, depths)], stamp, ready,
+                                     None if checks is None else checks[depths - 1], alive)
             result += StoreResult(part.stored, part.present, part.skipped,
                                   tuple(depths[kept].tolist()))
         return result
 
     def _store(self, group: Group, keys: np.ndarray, depths: np.ndarray, src: np.ndarray,
-               values: np.ndarray, stamp: int, ready: Any) -> tuple[StoreResult, np.ndarray]:
+               values: np.ndarray, stamp: int, ready: Any, checks: np.ndarray | None = None,
+               alive: Alive | None = None) -> tuple[StoreResult, np.ndarray]:
         """Store entries in the first tier: the device tier for workers on its GPU, else the
         host. Returns the result and which keys are cached now."""
         group.transfer.wait_for(ready, "store")
         tier = Tier.DEVICE if group.transfer is self.tiers.device_transfer else Tier.HOST
         arena = self.tiers.arena(tier)
-        todo, claimed = self._claim(group.kind, keys, values, stamp)
+        todo, claimed, clashes = self._claim(group.kind, keys, values, stamp, checks)
         stored = 0
         try:
             while stored < len(todo):  # in batches: each one may push the last down a tier
@@ -316,14 +372,20 @@ class Engine:
                     break
                 batch = todo[stored:stored + len(slots)]  # shallow pages first
                 try:
+                    failpoints.hit("store.before_gather")
                     self._gather(group, src[batch], np.asarray(slots, np.int64), arena)
+                    failpoints.hit("store.before_publish")
+                    if alive is not None and not alive():
+                        raise DeadlineExceeded("the call ended while its rows were being copied: "
+                                               "the rest of the store was dropped")
                 except BaseException:
                     with self._lock:
                         arena.free(group.nbytes, slots)
                     raise
                 with self._lock:
                     rows = self.index.publish(group.kind, keys[batch], depths[batch], group.nbytes,
-                                              tier, slots, stamp, values[batch])
+                                              tier, slots, stamp, values[batch],
+                                              None if checks is None else checks[batch])
                     if tier == Tier.DEVICE:
                         self.moving.stored_on_device(rows)
                     else:
@@ -342,24 +404,29 @@ class Engine:
                 f"{tier.name.lower()} budget")
         kept = np.ones(len(keys), bool)
         kept[todo[stored:]] = False
-        return StoreResult(stored, len(keys) - len(todo), len(todo) - stored), kept
+        kept[clashes] = False
+        skipped = len(todo) - stored + len(clashes)
+        return StoreResult(stored, len(keys) - len(todo) - len(clashes), skipped), kept
 
-    def _claim(self, kind: Kind, keys: np.ndarray, values: np.ndarray, stamp: int
-               ) -> tuple[np.ndarray, np.ndarray]:
+    def _claim(self, kind: Kind, keys: np.ndarray, values: np.ndarray, stamp: int,
+               checks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Refresh the entries already cached; claim the others that no concurrent store is
-        writing. Returns (positions of the claimed keys, the claimed keys)."""
+        writing. Returns (positions of the claimed keys, the claimed keys, positions of keys
+        cached for another prompt: a collision, left alone and not stored)."""
         with self._lock:
             self._check_open()
             self.moving.reap()
             existing = self.index.rows_of(kind, keys)
+            clashes = np.flatnonzero(self.index.verified(existing, checks) != existing)
+            existing[clashes] = -2  # neither present nor new
             present = existing >= 0
             self.index.touch(existing[present], stamp)
             self.index.raise_values(existing[present], values[present])
-            new = np.flatnonzero(~present)
+            new = np.flatnonzero(existing == -1)
             self.tiers.returned(kind, keys[new])
             todo = new[self._inflight[kind].lookup(keys[new]) < 0]  # others are writing the rest
             self._inflight[kind].insert(keys[todo], todo)
-            return todo, keys[todo]
+            return todo, keys[todo], clashes
 
     def _gather(self, group: Group, src: np.ndarray, slots: np.ndarray, arena: SlotArena) -> None:
         """Copy worker rows into arena slots; returns once the worker may reuse the rows."""
@@ -370,12 +437,15 @@ class Engine:
             group.transfer.fence("store").synchronize()  # this batch only, not the device
 
     # -- match and load -----------------------------------------------------------------
-    def match(self, layout: Layout, keys: Keys, prefetch: bool = False) -> Match:
-        """The longest hybrid match of `keys`. With `prefetch`, the background thread starts
-        promoting its disk entries to the host, so that the load that follows finds them
-        there (a load of an entry still moving waits for it)."""
+    def match(self, layout: Layout, keys: Keys, prefetch: bool = False, *,
+              checks: np.ndarray | None = None) -> Match:
+        """The longest hybrid match of `keys` (of entries stored with the same `checks`,
+        if given). With `prefetch`, the background thread starts promoting its disk entries
+        to the host, so that the load that follows finds them there (a load of an entry
+        still moving waits for it)."""
         with self._lock:
-            hit = self._match(layout, key_array(keys))
+            chain = key_array(keys)
+            hit = self._match(layout, chain, _checks(checks, chain))
             self.counters["matches"] += 1
             self.counters["matched_pages"] += hit.match.pages
             count_match(self.counters, hit.match, layout.page_tokens)
@@ -383,16 +453,18 @@ class Engine:
                 self.counters["prefetches"] += self.moving.start_promotion(hit.rows)
             return hit.match
 
-    def _match(self, layout: Layout, keys: np.ndarray) -> Hit:
+    def _match(self, layout: Layout, keys: np.ndarray, checks: np.ndarray | None = None) -> Hit:
         self._check_open()
         self.moving.reap()
         self.index.tick()
-        hit = self.index.match(keys, layout.page_tokens, layout.needs_pages, layout.needs_checkpoint)
+        hit = self.index.match(keys, layout.page_tokens, layout.needs_pages, layout.needs_checkpoint,
+                               checks)
         self.index.touch(hit.rows)
         return hit
 
     def load(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
-             slot: int | None = None, ready: Any = None, asynchronous: bool = False) -> LoadResult:
+             slot: int | None = None, ready: Any = None, asynchronous: bool = False, *,
+             checks: np.ndarray | None = None) -> LoadResult:
         """Copy the longest hybrid match of `keys` (at most len(rows) pages) into `rows` and
         `slot`. Fails as a whole: a damaged entry is dropped and the load redone shorter.
         A load of entries a promotion is still moving waits for it.
@@ -400,8 +472,10 @@ class Engine:
         On a GPU, copies start after `ready` (an event the worker recorded after its last
         use of the rows). The call returns when the bytes are in place, or, if
         `asynchronous`, at once with `LoadResult.done`: an interprocess event the worker's
-        stream waits on; the entries stay pinned until it completes."""
+        stream waits on; the entries stay pinned until it completes. With `checks`, only
+        entries stored with the same checks hit (see `store`)."""
         layout, keys = buffers.layout, key_array(keys)
+        checks = _checks(checks, keys)
         dst = row_ids(rows, layout.page_rows, "kv row", unique=True)
         limit = len(dst) if layout.needs_pages else len(keys)
         dst_slot = np.empty(0, np.int64)
@@ -412,7 +486,7 @@ class Engine:
         damaged = 0
         for _ in range(_LOAD_ATTEMPTS):
             with self._lock:
-                hit = self._match(layout, keys[:limit])
+                hit = self._match(layout, keys[:limit], None if checks is None else checks[:limit])
                 if hit.match.pages == 0:
                     return LoadResult(hit.match, {}, damaged)
                 self.index.pin(hit.rows)
@@ -489,5 +563,7 @@ class Engine:
                                        self.disk.budget_bytes))
             counters = {**self.counters, **byte_counters(self.traffic.snapshot())}
             counters["checksum_failures"] = self.disk.checksum_failures if self.disk else 0
+            counters["disk_moved_aside"] = int(self.disk is not None and self.disk.moved_aside is not None)
+            counters["collisions"] = self.index.collisions
             alpha = getattr(self.tiers.policy, "alpha", None)
             return EngineStats(tuple(tiers), counters, alpha)

@@ -31,3 +31,11 @@ class DeadlineExceeded(TiercacheError):
 
 class Unavailable(TiercacheError):
     """The daemon cannot be reached, or went away."""
+
+
+class Unauthenticated(TiercacheError):
+    """The caller did not say who it is, or said it with credentials the daemon rejects."""
+
+
+class PermissionDenied(TiercacheError):
+    """The caller is known but may not do this (e.g. use another identity's worker)."""

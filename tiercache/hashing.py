@@ -4,6 +4,11 @@ k_0 = root(namespace), k_i = xxh3_128(k_{i-1} || tokens of page i). A key names 
 prefix up to the end of its page, so two prompts share key k_i iff they share the first
 i pages (up to hash collisions) and the namespace. Tokens are hashed as little-endian
 uint32, so a list, a numpy array or a torch tensor of any integer dtype give the same keys.
+
+Beside each key, `page_chain` computes a check c_i = xxh3_64(k_{i-1} || tokens of page i)
+under a seed of its own: a second, independent hash of the same input. The cache keeps
+it with the entry and serves the entry only to a request that brings the same check, so
+two prompts whose keys collide (by accident; on purpose, use blake2b_128) still miss.
 """
 
 from __future__ import annotations
@@ -39,6 +44,22 @@ HASHES: dict[str, Callable[[bytes], bytes]] = {
     "xxh3_128": xxhash.xxh3_128_digest,
     "blake2b_128": _blake2b_128,
 }
+_CHECK_SEED = 0x7463_6b31_6368_6b31  # any constant other than the keys' (unseeded) one
+
+
+def narrow_hash_for_tests(bits: int, base: str = "xxh3_128") -> str:
+    """Register a hash that keeps only the first `bits` bits of `base` (the rest zero), so
+    that tests meet key collisions in a few hundred pages; returns its name. Tests and
+    collision drills only: no deployment should name it."""
+    name = f"{base}-narrow{bits}-test-only"
+    whole, extra, digest = bits // 8, bits % 8, HASHES[base]
+
+    def narrow(data: bytes) -> bytes:
+        full = digest(data)
+        part = bytes([full[whole] & (0xFF00 >> extra) & 0xFF]) if extra else b""
+        return (full[:whole] + part).ljust(KEY_BYTES, b"\0")
+    HASHES[name] = narrow
+    return name
 
 
 @dataclass(frozen=True)
@@ -104,6 +125,33 @@ def page_keys(tokens: Any, root: PageKey, page_tokens: int,
         prev = digest(prev + data[start:start + step])
         keys.append(PageKey(prev))
     return keys
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The page keys of a prompt and the check of each page (uint64)."""
+
+    keys: list[PageKey]
+    checks: np.ndarray
+
+
+def page_chain(tokens: Any, root: PageKey, page_tokens: int,
+               hash_name: str = "xxh3_128") -> Chain:
+    """`page_keys` and, for every page, its check (see the module doc)."""
+    if page_tokens <= 0:
+        raise InvalidArgument(f"page_tokens must be positive, got {page_tokens}")
+    data = token_array(tokens).tobytes()
+    digest, check = HASHES[hash_name], xxhash.xxh3_64_intdigest
+    step = page_tokens * _TOKEN_DTYPE.itemsize
+    keys: list[PageKey] = []
+    checks: list[int] = []
+    prev = bytes(root)
+    for start in range(0, len(data) - step + 1, step):
+        page = prev + data[start:start + step]
+        checks.append(check(page, _CHECK_SEED))
+        prev = digest(page)
+        keys.append(PageKey(prev))
+    return Chain(keys, np.array(checks, np.uint64))
 
 
 Keys = Sequence[PageKey] | bytes | np.ndarray

@@ -91,7 +91,8 @@ def best_tiers(masks: np.ndarray) -> np.ndarray:
 class Index:
     _DTYPES = {"kind": np.uint8, "tiers": np.uint8, "pins": np.uint32, "depth": np.uint32,
                "nbytes": np.int64, "stamp": np.uint64, "slot_1": np.int32, "slot_2": np.int32,
-               "key_lo": np.uint64, "key_hi": np.uint64, "value": np.float32}
+               "key_lo": np.uint64, "key_hi": np.uint64, "value": np.float32,
+               "check": np.uint64}
 
     def __init__(self, capacity: int = 1024) -> None:
         self._maps = (KeyMap(), KeyMap())  # by Kind
@@ -102,6 +103,7 @@ class Index:
         self._grow(capacity)
         self.count = {t: 0 for t in TIERS}
         self.bytes = {t: 0 for t in TIERS}
+        self.collisions = 0  # keys found whose entry's check did not match: misses
 
     def _grow(self, capacity: int) -> None:
         old = self._capacity
@@ -142,15 +144,29 @@ class Index:
     def in_tier(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
         return (self._cols["tiers"][rows] & int(tier)) != 0
 
+    def verified(self, rows: np.ndarray, checks: np.ndarray | None) -> np.ndarray:
+        """`rows` (of keys looked up), with -1 where the entry's check differs from the
+        caller's: another prompt under the same key (a collision), never served."""
+        if checks is None or not len(rows):
+            return rows
+        clash = (rows >= 0) & (self._cols["check"][np.maximum(rows, 0)] != checks)
+        if clash.any():
+            self.collisions += int(clash.sum())
+            rows = np.where(clash, -1, rows)
+        return rows
+
     def match(self, keys: np.ndarray, page_tokens: int, needs_pages: bool,
-              needs_checkpoint: bool) -> Hit:
-        """Largest n with pages k_1..k_n in some tier and, if needed, a checkpoint at k_n."""
-        page_rows = self._maps[Kind.PAGE].lookup(keys) if needs_pages else np.empty(0, np.int64)
+              needs_checkpoint: bool, checks: np.ndarray | None = None) -> Hit:
+        """Largest n with pages k_1..k_n in some tier and, if needed, a checkpoint at k_n.
+        With `checks` (one per key), an entry whose check differs counts as missing."""
+        page_rows = (self.verified(self._maps[Kind.PAGE].lookup(keys), checks) if needs_pages
+                     else np.empty(0, np.int64))
         missing = np.flatnonzero(page_rows < 0)
         walked = int(missing[0]) if missing.size else len(keys)
         pages, checkpoint_row = walked, None
         if needs_checkpoint:
-            pages, checkpoint_row = self._deepest_checkpoint(keys[:walked])
+            pages, checkpoint_row = self._deepest_checkpoint(
+                keys[:walked], None if checks is None else checks[:walked])
         rows = page_rows[:pages] if needs_pages else page_rows
         if pages == len(keys):
             stop = StopReason.END_OF_PROMPT
@@ -167,24 +183,27 @@ class Index:
             stop=stop)
         return Hit(match, rows, checkpoint_row)
 
-    def _deepest_checkpoint(self, keys: np.ndarray) -> tuple[int, int | None]:
+    def _deepest_checkpoint(self, keys: np.ndarray, checks: np.ndarray | None
+                            ) -> tuple[int, int | None]:
         """(pages, row) of the checkpoint at the deepest of `keys` that has one; (0, None)."""
         checkpoints = self._maps[Kind.CHECKPOINT]
         if not len(keys):
             return 0, None
         last = checkpoints.get(keys[-1])  # the usual case: the hit ends at a checkpoint
-        if last >= 0:
+        if last >= 0 and (checks is None or self._cols["check"][last] == checks[-1]):
             return len(keys), last
-        rows = checkpoints.lookup(keys[:-1])
+        self.collisions += last >= 0
+        rows = self.verified(checkpoints.lookup(keys[:-1]), None if checks is None else checks[:-1])
         found = np.flatnonzero(rows >= 0)
         return (0, None) if not found.size else (int(found[-1]) + 1, int(rows[found[-1]]))
 
     # -- updates ----------------------------------------------------------------------
     def publish(self, kind: Kind, keys: np.ndarray, depths: Sequence[int], nbytes: int,
                 tier: Tier, slots: Sequence[int] | None = None, stamp: int | None = None,
-                values: np.ndarray | None = None) -> np.ndarray:
+                values: np.ndarray | None = None, checks: np.ndarray | None = None) -> np.ndarray:
         """Make `keys` (distinct) visible in `tier`; call only once their bytes are all there.
-        `values` rate the entries for eviction (0 if not given; see `raise_values`)."""
+        `values` rate the entries for eviction (0 if not given; see `raise_values`); `checks`
+        are what a match must bring to hit a new entry (0 if not given)."""
         rows = self._maps[kind].lookup(keys)
         new = np.flatnonzero(rows < 0)
         if len(new):
@@ -202,6 +221,7 @@ class Index:
             cols["nbytes"][fresh] = nbytes
             cols["key_lo"][fresh], cols["key_hi"][fresh] = keys[new, 0], keys[new, 1]
             cols["value"][fresh] = 0
+            cols["check"][fresh] = 0 if checks is None else np.asarray(checks, np.uint64)[new]
         if np.any(self._cols["nbytes"][rows] != nbytes):
             raise ValueError(f"an entry among {len(keys)} keys is not {nbytes} bytes")
         if values is not None:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiercache import failpoints
 from tiercache.background import Background
 from tiercache.index import Index, Kind, Tier
 from tiercache.policy import WriteConfig
@@ -51,7 +52,7 @@ class Group:
     transfer: Transfer  # the copy path of the worker's device
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `_moves.remove` must not compare the row arrays
 class Move:
     """Disk entries on their way into host slots that nobody can see yet."""
 
@@ -80,7 +81,8 @@ class Movement:
         self.background = Background(self.step, "tiercache-background")
         self._moves: list[Move] = []  # every promotion in flight
         self._queued: deque[Move] = deque()  # promotions waiting for the background thread
-        self._to_write: deque[np.ndarray] = deque()  # rows to write to disk, oldest first
+        # rows to write to disk, oldest first, and markers a durable store waits on
+        self._to_write: deque[np.ndarray | threading.Event] = deque()
         self._to_host: deque[np.ndarray] = deque()  # device rows to copy down, oldest first
         self._pending: list[tuple[Any, np.ndarray, list[torch.Tensor]]] = []  # async loads
         # the last interprocess events handed out: a worker may open one after its copy is
@@ -109,6 +111,9 @@ class Movement:
             self.stopped = True
             while self._queued:
                 self._finish(self._queued.popleft(), [])
+            for item in self._to_write:  # wake durable stores: they find their rows unwritten
+                if isinstance(item, threading.Event):
+                    item.set()
 
     def step(self) -> bool:
         """One promotion, one device-to-host batch or one disk batch; False when there was
@@ -166,6 +171,30 @@ class Movement:
         elif self.host.used_bytes >= self.host.budget_bytes * (1 - self.writes.clean_ahead):
             self.background.kick()
 
+    def write_and_wait(self, rows: np.ndarray, timeout: float | None) -> bool:
+        """Queue host entries for the writer and wait until it has passed them (written,
+        or found on disk already, or unable to fit); False if `timeout` came first. The
+        writer keeps its order, so no row is written twice. Call without the lock."""
+        marker = threading.Event()
+        with self.lock:
+            if self.stopped:
+                return True
+            if len(rows):
+                self._to_write.append(np.asarray(rows, np.int64))
+            self._to_write.append(marker)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not marker.is_set():
+            # kick again each time: a step that failed (a disk error) ends the thread's
+            # round with the marker still queued
+            self.background.kick()
+            if not self.background.running:
+                self.drain()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            marker.wait(0.1 if left is None else min(left, 0.1))
+        return True
+
     def write_soon(self, rows: np.ndarray) -> None:
         """Queue host entries for the background writer. Call under the lock."""
         if len(rows):
@@ -177,6 +206,9 @@ class Movement:
         limit = self.writes.batch_entries
         while self._to_write:
             rows = self._to_write[0]
+            if isinstance(rows, threading.Event):  # every row queued before it is done
+                self._to_write.popleft().set()
+                continue
             if len(rows) > limit:
                 self._to_write[0] = rows[limit:]
             else:
@@ -285,6 +317,7 @@ class Movement:
         names destination rows, scatter them into the worker. `pinned` is unpinned when
         the copies are done: now, or, for an asynchronous load, once its event completes."""
         done = Delivery({}, 0, 0)
+        complete = False  # promotions are published only if every copy got through
         damaged: list[int] = []
         promoted: list[tuple[Move, list[int], int]] = []  # (move, host slots, nbytes)
         staging: list[torch.Tensor] = []  # must outlive the copies that read it
@@ -296,14 +329,16 @@ class Movement:
                 if staged is None or dst is None:
                     continue
                 staging.append(staged[2])
+                failpoints.hit("load.before_scatter")
                 copying += self._scatter(transfer, group, staged, dst, done)
             self._fence(transfer, done, asynchronous, copying)
+            complete = True
         except BaseException:
             transfer.synchronize()  # nothing may still read entries we are about to unpin
             raise
         finally:
             with self.lock:
-                self._settle(done, pinned, staging, promoted, damaged, asynchronous)
+                self._settle(done, pinned, staging, promoted, damaged, asynchronous, complete)
         done.damaged = len(damaged)
         if not asynchronous:
             done.event = None
@@ -342,16 +377,17 @@ class Movement:
 
     def _settle(self, done: Delivery, pinned: np.ndarray, staging: list[torch.Tensor],
                 promoted: list[tuple[Move, list[int], int]], damaged: list[int],
-                asynchronous: bool) -> None:
+                asynchronous: bool, complete: bool) -> None:
         """After a delivery (under the lock): unpin or leave pinned for the copies still
-        running, publish the promotions (none if an entry was damaged), drop the damaged."""
-        if done.event is not None and asynchronous and not damaged:
+        running, publish the promotions (none if an entry was damaged or the delivery
+        failed part way: their slots may hold part of their bytes), drop the damaged."""
+        if done.event is not None and asynchronous and complete and not damaged:
             self._pending.append((done.event, pinned, staging))
             self._handed_out.append(done.event)
         else:
             self.index.unpin(pinned)
         for move, slots, nbytes in promoted:
-            if damaged:
+            if damaged or not complete:
                 self.host.free(nbytes, slots)
             else:
                 self.index.add_tier(move.rows, Tier.HOST, slots)

@@ -9,6 +9,7 @@ and `write`, which touch pinned entries only and take the lock to make room.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from tiercache.tiers.arena import SlotArena
 from tiercache.tiers.disk import DiskFull, DiskTier, as_array
 from tiercache.tuning import AlphaTuner
 
+log = logging.getLogger("tiercache.tiering")
 _DISK_RETRIES = 4  # LMDB may need more room than the budget says: evict more, retry
 
 
@@ -35,6 +37,7 @@ class DiskBatch:
     rows: np.ndarray
     entries: list  # (kind, key, depth, bytes) as DiskTier.write takes them
     nbytes: int
+    checks: list  # of each entry (Index.verified)
 
 
 @dataclass(frozen=True)
@@ -143,11 +146,19 @@ class Tiering:
     def demote(self, rows: np.ndarray) -> int:
         """Write host entries not on disk yet to disk now, in one transaction, under the
         engine lock: the fallback for victims the background writer has not reached.
-        Returns how many were written (0 when they cannot fit the disk tier)."""
+        Returns how many were written (0 when they cannot fit the disk tier, or the write
+        failed: the victims are dropped all the same, as a cache may)."""
         batch = self.begin_write(rows, limit=len(rows))
         if batch is None:
             return 0
-        return self.end_write(batch, self.write(batch))
+        written = False
+        try:
+            written = self.write(batch)
+        except Exception:  # noqa: BLE001 - a failing disk must not fail the store evicting
+            log.exception("writing %d evicted entries to disk failed: they are dropped", len(rows))
+        finally:
+            done = self.end_write(batch, written)  # unpins: no leak whatever happened
+        return done
 
     def begin_write(self, rows: np.ndarray, limit: int) -> DiskBatch | None:
         """Pin up to `limit` of the dirty `rows`, make room for them on disk, and take what a
@@ -169,7 +180,7 @@ class Tiering:
         if over > 0:
             self.evict(Tier.DISK, over)
         self.writing_bytes += total
-        return DiskBatch(rows, entries, total)
+        return DiskBatch(rows, entries, total, index.column("check", rows).tolist())
 
     def write(self, batch: DiskBatch) -> bool:
         """Write a batch in one transaction (no engine lock needed: its rows are pinned).
@@ -178,7 +189,7 @@ class Tiering:
         for _ in range(_DISK_RETRIES):
             try:
                 with self.traffic.timed("host", "disk", batch.nbytes):
-                    self.disk.write(batch.entries)
+                    self.disk.write(batch.entries, batch.checks)
                 return True
             except DiskFull:  # LMDB's own overhead beyond the budget: make more room, retry
                 with self.lock:

@@ -7,7 +7,8 @@ import grpc
 
 from tiercache.engine import LoadResult, StoreResult, TierStats
 from tiercache.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
-                              ResourceExhausted, TiercacheError, Unavailable)
+                              PermissionDenied, ResourceExhausted, TiercacheError, Unauthenticated,
+                              Unavailable)
 from tiercache.index import Match, StopReason, Tier
 from tiercache.layout import BufferSpec, Layout
 from tiercache.v1 import tiercache_pb2 as pb
@@ -21,6 +22,8 @@ STATUS_CODES: dict[type[TiercacheError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 _ERRORS = {code: kind for kind, code in STATUS_CODES.items()}
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from tiercache.errors import InvalidArgument
-from tiercache.hashing import KEY_BYTES, Namespace, page_keys, token_array
+from tiercache.hashing import (HASHES, KEY_BYTES, Namespace, narrow_hash_for_tests, page_chain,
+                               page_keys, token_array)
 
 ROOT = Namespace("model", "layout-fp").root()
 
@@ -75,3 +76,22 @@ def test_bad_namespace_and_page_size():
         Namespace("m", "fp", hash_name="md5")
     with pytest.raises(InvalidArgument, match="page_tokens"):
         page_keys([1, 2], ROOT, 0)
+
+
+def test_a_chain_has_the_page_keys_and_a_check_per_page():
+    root = Namespace("m", "fp").root()
+    tokens = list(range(16 * 3 + 5))
+    chain = page_chain(tokens, root, 16)
+    assert chain.keys == page_keys(tokens, root, 16)  # the same keys, full pages only
+    assert chain.checks.dtype == np.uint64 and len(chain.checks) == 3
+    # the check of a page depends on its tokens: change one, and only that check and the
+    # ones after it change
+    changed = page_chain(tokens[:20] + [999_999] + tokens[21:], root, 16)
+    assert chain.checks[0] == changed.checks[0] and chain.checks[1] != changed.checks[1]
+
+
+def test_a_narrowed_hash_keeps_only_its_first_bits():
+    name = narrow_hash_for_tests(12)
+    key = HASHES[name](b"some page")
+    assert key[:1] == HASHES["xxh3_128"](b"some page")[:1] and key[1] & 0x0F == 0
+    assert key[2:] == bytes(14)

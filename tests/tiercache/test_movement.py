@@ -54,7 +54,7 @@ def test_write_through_batches_entries_into_transactions(tmp_path):
     engine = open_engine(tmp_path, host="through", batch_entries=4)
     batches = []
     write = engine.disk.write
-    engine.disk.write = lambda entries: (batches.append(len(entries)), write(entries))
+    engine.disk.write = lambda entries, checks: (batches.append(len(entries)), write(entries, checks))
     # ten pages stored at once go to disk in transactions of at most 4
     keys = prompt_keys(LAYOUT, seed=1, pages=10)
     engine.store_pages(random_buffers(LAYOUT, seed=1), keys, range(10))
@@ -103,10 +103,10 @@ def test_a_disk_write_publishes_after_its_commit_and_pins_what_it_reads(tmp_path
     writing, release = threading.Event(), threading.Event()
     write = engine.disk.write
 
-    def slow_write(entries):
+    def slow_write(entries, checks):
         writing.set()
         release.wait(10)
-        write(entries)
+        write(entries, checks)
     engine.disk.write = slow_write
     engine.store_pages(worker, keys, range(3))
     assert writing.wait(10)
@@ -126,7 +126,7 @@ def test_a_failed_disk_write_surfaces_at_the_barrier_and_leaves_entries_in_the_h
     engine = open_engine(tmp_path, host="through")
     keys = prompt_keys(LAYOUT, seed=1, pages=2)
 
-    def broken(entries):
+    def broken(entries, checks):
         raise OSError("disk gone")
     engine.disk.write = broken
     engine.store_pages(random_buffers(LAYOUT, seed=1), keys, range(2))

@@ -15,22 +15,32 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import lmdb
 import numpy as np
 import xxhash
 
+from tiercache import failpoints
 from tiercache.errors import InvalidArgument, ResourceExhausted
-from tiercache.hashing import PageKey
+from tiercache.hashing import KEY_BYTES, PageKey
 from tiercache.index import Kind
+from tiercache.tiers import recovery
 
 GiB = 1 << 30
+# LMDB copies every page it changes, deletes included, so a map that is full to the last
+# page cannot even delete to make room: writes stop once live pages pass this share of
+# the map, and the rest stays for the deletes of eviction.
+_HIGH_WATER = 0.75
+_DELETES_PER_COMMIT = 128
 
-# magic, kind, format version, depth, payload bytes, checksum, created (ns since epoch)
-_HEADER = struct.Struct("<4sBBxxIQQq")
+# magic, kind, format version, depth, payload bytes, checksum, created (ns since epoch),
+# check (what a match must bring to hit the entry: index.Index.verified); then a checksum
+# of the key and all of the above, so that a damaged header is caught by a scan alone
+_HEADER = struct.Struct("<4sBBxxIQQqQ")
+_SEALED = struct.Struct(f"{_HEADER.format}Q")
 _MAGIC = b"TCE1"
-_VERSION = 1
+_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,7 @@ class DiskConfig:
     map_size: int = 16 * GiB
     budget_fraction: float = 0.8  # of map_size for entry bytes; the rest is LMDB's overhead
     sync: bool = True  # fsync on every commit: committed entries survive a power cut
+    check_on_open: bool = True  # survey the environment in a child process first (recovery.py)
 
     def __post_init__(self) -> None:
         if self.map_size < 1 << 20:
@@ -58,6 +69,7 @@ class DiskRecord:
     depth: int
     nbytes: int
     created_ns: int
+    check: int = 0
 
 
 class DiskFull(ResourceExhausted):
@@ -68,9 +80,9 @@ def _db_key(kind: Kind, key: bytes) -> bytes:
     return bytes((kind,)) + key
 
 
-def _checksum(kind: Kind, key: bytes, depth: int, payload: object) -> int:
+def _checksum(kind: Kind, key: bytes, depth: int, check: int, payload: object) -> int:
     hasher = xxhash.xxh3_64(_db_key(kind, key))
-    hasher.update(struct.pack("<I", depth))
+    hasher.update(struct.pack("<IQ", depth, check))
     hasher.update(payload)  # type: ignore[arg-type]
     return hasher.intdigest()
 
@@ -85,75 +97,143 @@ class DiskReader:
     def get(self, kind: Kind, key: PageKey) -> memoryview | None:
         """The entry's bytes, or None when missing or damaged (damage is counted)."""
         dkey = _db_key(kind, key)
-        header = self._txn.get(dkey, db=self._tier.meta_db)
-        payload = self._txn.get(dkey, db=self._tier.data_db)
+        failpoints.hit("disk.read")
+        try:
+            header = self._txn.get(dkey, db=self._tier.meta_db)
+            payload = self._txn.get(dkey, db=self._tier.data_db)
+        except lmdb.Error:  # a damaged page on the way to the entry (MDB_CORRUPTED, ...)
+            self._tier.checksum_failures += 1
+            return None
         if header is None or payload is None:
             return None
         record = _parse(kind, key, bytes(header))
         if (record is None or record[1] != len(payload)
-                or record[2] != _checksum(kind, key, record[0], payload)):
+                or record[2] != _checksum(kind, key, record[0], record[4], payload)):
             self._tier.checksum_failures += 1
             return None
         return payload
 
 
-def _parse(kind: Kind, key: bytes, header: bytes) -> tuple[int, int, int, int] | None:
-    """(depth, nbytes, checksum, created_ns), or None for a damaged header."""
-    if len(header) != _HEADER.size:
+def verify_entry(dkey: bytes, header: bytes, payload: memoryview | None, deep: bool) -> int | None:
+    """The size of a stored entry if its header is sound and its value has that size (and,
+    if `deep`, that checksum); None otherwise."""
+    if len(dkey) != 1 + KEY_BYTES or dkey[0] not in (Kind.PAGE, Kind.CHECKPOINT) or payload is None:
         return None
-    magic, hkind, version, depth, nbytes, checksum, created = _HEADER.unpack(header)
+    kind, key = Kind(dkey[0]), dkey[1:]
+    record = _parse(kind, key, header)
+    if record is None or record[1] != len(payload):
+        return None
+    if deep and record[2] != _checksum(kind, key, record[0], record[4], payload):
+        return None
+    return record[1]
+
+
+def _seal(dkey: bytes, fields: bytes) -> bytes:
+    return fields + struct.pack("<Q", xxhash.xxh3_64_intdigest(dkey + fields))
+
+
+def _parse(kind: Kind, key: bytes, header: bytes) -> tuple[int, int, int, int, int] | None:
+    """(depth, nbytes, checksum, created_ns, check), or None for a damaged header."""
+    if len(header) != _SEALED.size or _seal(_db_key(kind, key), header[:_HEADER.size]) != header:
+        return None
+    magic, hkind, version, depth, nbytes, checksum, created, check = _HEADER.unpack_from(header)
     if magic != _MAGIC or hkind != kind or version != _VERSION:
         return None
-    return depth, nbytes, checksum, created
+    return depth, nbytes, checksum, created, check
 
 
 class DiskTier:
-    def __init__(self, config: DiskConfig, env: lmdb.Environment) -> None:
+    def __init__(self, config: DiskConfig, env: lmdb.Environment, owner: Any = None,
+                 moved_aside: str | None = None) -> None:
         self.config = config
         self.env = env
         self.meta_db = env.open_db(b"meta")
         self.data_db = env.open_db(b"data")
         self.used_bytes = 0
         self.checksum_failures = 0
+        self.moved_aside = moved_aside  # where a damaged environment went at open, if one did
+        self._owner = owner  # the lock that makes this process the environment's only user
         self._counting = threading.Lock()  # writes and deletes may run on different threads
+        self._page_limit = int(config.map_size * _HIGH_WATER) // env.stat()["psize"]
 
     @classmethod
     def open(cls, config: DiskConfig) -> "DiskTier":
-        os.makedirs(config.path, exist_ok=True)
-        # writemap: values are copied once, straight into the file's pages; LMDB still
-        # writes only to free pages, so a crash never damages committed entries.
-        env = lmdb.open(config.path, map_size=config.map_size, max_dbs=2, sync=config.sync,
-                        metasync=config.sync, meminit=False, writemap=True, max_readers=512)
-        return cls(config, env)
+        """Open the environment, checked first and moved aside if damaged (recovery.py)."""
+        os.makedirs(os.path.dirname(os.path.abspath(config.path)), exist_ok=True)
+        owner = recovery.lock(config.path)
+        try:
+            # writemap: values are copied once, straight into the file's pages; LMDB still
+            # writes only to free pages, so a crash never damages committed entries.
+            env, aside = recovery.open_environment(
+                config.path, config.check_on_open, map_size=config.map_size, max_dbs=2,
+                sync=config.sync, metasync=config.sync, meminit=False, writemap=True,
+                max_readers=512)
+        except BaseException:
+            owner.close()
+            raise
+        return cls(config, env, owner, aside)
 
     @property
     def budget_bytes(self) -> int:
         return self.config.budget_bytes
 
-    def write(self, entries: Sequence[tuple[Kind, PageKey, int, object]]) -> None:
-        """Write (kind, key, depth, payload) entries in one transaction: all or nothing."""
+    def write(self, entries: Sequence[tuple[Kind, PageKey, int, object]],
+              checks: Sequence[int] | None = None) -> None:
+        """Write (kind, key, depth, payload) entries, with their checks (0 if not given), in
+        one transaction: all or nothing."""
         created = time.time_ns()
         added = 0
+        checks = [0] * len(entries) if checks is None else checks
         try:
             with self.env.begin(write=True) as txn:
-                for kind, key, depth, payload in entries:
+                for (kind, key, depth, payload), check in zip(entries, checks, strict=True):
                     view = memoryview(payload).cast("B")  # type: ignore[arg-type]
                     dkey = _db_key(kind, key)
-                    header = _HEADER.pack(_MAGIC, kind, _VERSION, depth, view.nbytes,
-                                          _checksum(kind, key, depth, view), created)
+                    header = _seal(dkey, _HEADER.pack(
+                        _MAGIC, kind, _VERSION, depth, view.nbytes,
+                        _checksum(kind, key, depth, check, view), created, check))
                     if not txn.put(dkey, header, db=self.meta_db, overwrite=False):
                         continue  # already on disk
                     txn.put(dkey, view, db=self.data_db)
                     added += view.nbytes
+                if self._pages(txn) > self._page_limit:
+                    raise DiskFull(f"LMDB map of {self.config.map_size} bytes is {_HIGH_WATER:.0%} "
+                                   "full: the rest is kept for deletes")
+                failpoints.hit("disk.before_commit")  # an exception here aborts the transaction
         except lmdb.MapFullError as error:
             raise DiskFull(f"LMDB map of {self.config.map_size} bytes is full") from error
         with self._counting:
             self.used_bytes += added
+        failpoints.hit("disk.after_commit")
+
+    def _pages(self, txn: lmdb.Transaction) -> int:
+        """Pages holding entries (as this transaction sees them; free pages not counted)."""
+        return sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"]
+                   for s in (txn.stat(self.meta_db), txn.stat(self.data_db)))
 
     def delete(self, entries: Sequence[tuple[Kind, PageKey]]) -> None:
         self._delete([_db_key(kind, key) for kind, key in entries])
 
     def _delete(self, dkeys: Sequence[bytes]) -> None:
+        """Delete entries in small transactions: a delete copies every page it changes, so
+        one transaction deleting many entries needs about as many free pages as they fill,
+        which a nearly full map does not have. A transaction that runs out is redone in
+        halves."""
+        start, chunk = 0, _DELETES_PER_COMMIT
+        while start < len(dkeys):
+            try:
+                removed = self._delete_some(dkeys[start:start + chunk])
+            except lmdb.MapFullError as error:
+                if chunk == 1:  # readers hold the free pages even one delete needs
+                    raise DiskFull(f"LMDB map of {self.config.map_size} bytes is too full to "
+                                   "delete in: retry when reads have finished") from error
+                chunk //= 2
+                continue
+            start += chunk
+            with self._counting:
+                self.used_bytes -= removed
+
+    def _delete_some(self, dkeys: Sequence[bytes]) -> int:
         removed = 0
         with self.env.begin(write=True) as txn:
             for dkey in dkeys:
@@ -162,8 +242,7 @@ class DiskTier:
                     removed += len(payload)
                     txn.delete(dkey, db=self.data_db)
                 txn.delete(dkey, db=self.meta_db)
-        with self._counting:
-            self.used_bytes -= removed
+        return removed
 
     @contextmanager
     def reader(self) -> Iterator[DiskReader]:
@@ -182,8 +261,8 @@ class DiskTier:
                     self.checksum_failures += 1
                     damaged.append(dkey)
                     continue
-                depth, nbytes, _, created = parsed
-                records.append(DiskRecord(kind, PageKey(dkey[1:]), depth, nbytes, created))
+                depth, nbytes, _, created, check = parsed
+                records.append(DiskRecord(kind, PageKey(dkey[1:]), depth, nbytes, created, check))
         if damaged:
             self._delete(damaged)
         self.used_bytes = sum(r.nbytes for r in records)
@@ -192,6 +271,8 @@ class DiskTier:
 
     def close(self) -> None:
         self.env.close()
+        if self._owner is not None:
+            self._owner.close()
 
 
 def as_array(view: memoryview) -> np.ndarray:

@@ -122,14 +122,16 @@ class UnregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "prefetch")
+    __slots__ = ("worker_id", "keys", "prefetch", "checks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     prefetch: bool
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., prefetch: _Optional[bool] = ...) -> None: ...
+    checks: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., checks: _Optional[bytes] = ...) -> None: ...
 
 class MatchResult(_message.Message):
     __slots__ = ("pages", "tokens", "prompt_pages", "page_tiers", "checkpoint_tier", "stop")
@@ -154,20 +156,22 @@ class MatchResponse(_message.Message):
     def __init__(self, match: _Optional[_Union[MatchResult, _Mapping]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "kv_rows", "slot", "ready_event", "asynchronous")
+    __slots__ = ("worker_id", "keys", "kv_rows", "slot", "ready_event", "asynchronous", "checks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     ASYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     kv_rows: _containers.RepeatedScalarFieldContainer[int]
     slot: int
     ready_event: bytes
     asynchronous: bool
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., asynchronous: _Optional[bool] = ...) -> None: ...
+    checks: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., asynchronous: _Optional[bool] = ..., checks: _Optional[bytes] = ...) -> None: ...
 
 class TierBytes(_message.Message):
     __slots__ = ("tier", "bytes")
@@ -198,18 +202,22 @@ class Checkpoint(_message.Message):
     def __init__(self, pages: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event")
+    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event", "checks", "durable")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     kv_rows: _containers.RepeatedScalarFieldContainer[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
     ready_event: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+    checks: bytes
+    durable: bool
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., checks: _Optional[bytes] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored", "present", "skipped", "checkpoints")

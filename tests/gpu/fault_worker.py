@@ -1,0 +1,96 @@
+"""A GPU worker for the fault tests (tests/gpu/test_gpu_faults.py), in its own process.
+
+    python -m tests.gpu.fault_worker load ADDRESS SEED        # store, then a load the test kills
+    python -m tests.gpu.fault_worker recompute ADDRESS SEED   # store, load; if the load fails, recompute
+    python -m tests.gpu.fault_worker replied ADDRESS SEED     # an async load that replies before its copy
+
+`load`: stores one prompt, prints "stored", starts a load into other rows, prints
+"loading" and waits in it (the daemon holds loads in a failpoint) until the test kills
+this process. `recompute`: the same, but when the load fails (the test killed the
+daemon) it computes the rows itself, checks its GPU still works and that the rows hold
+what they should, and prints "recomputed ok" (or "bad ..."). `replied`: queues a long
+kernel, records the ready event after it, so the daemon's copy waits behind it while the
+load replies at once; prints "replied"; the test kills the daemon; then it waits for its
+stream (at most 60 s) and prints "stream done" or "stream hung", and whether the rows got
+the bytes.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+
+from tests.gpu.gpu_worker import PAGES, bits, layout, prompt, register
+from tiercache.errors import TiercacheError
+
+ROWS = list(range(PAGES, 2 * PAGES))
+
+
+def poison(tensors, value: int) -> None:
+    """Overwrite the rows a load would fill (kv rows PAGES.., state slot 1)."""
+    for i in range(4):
+        bits(tensors[f"kv{i}"])[PAGES:2 * PAGES].fill_(value)
+    bits(tensors["state"])[1].fill_(value)
+
+
+def stored(address: str, seed: int):
+    worker, tensors = register(address, layout(1 << 16, 4, rows=2 * PAGES), seed)
+    source = {name: bits(t).clone() for name, t in tensors.items()}
+    worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
+    torch.cuda.synchronize()
+    print("stored", flush=True)
+    return worker, tensors, source
+
+
+def rows_right(tensors, source) -> bool:
+    return all(torch.equal(bits(tensors[f"kv{i}"])[ROWS], source[f"kv{i}"][:PAGES])
+               for i in range(4)) and torch.equal(bits(tensors["state"])[1], source["state"][0])
+
+
+def load(address: str, seed: int) -> None:
+    worker, _, _ = stored(address, seed)
+    print("loading", flush=True)
+    worker.load(prompt(0), kv_rows=ROWS, slot=1)  # held by the daemon until we are killed
+    print("load returned", flush=True)
+
+
+def recompute(address: str, seed: int) -> None:
+    worker, tensors, source = stored(address, seed)
+    poison(tensors, 0xA5)
+    print("loading", flush=True)
+    try:
+        worker.load(prompt(0), kv_rows=ROWS, slot=1)
+        print("bad: the load succeeded although the daemon was killed", flush=True)
+        return
+    except TiercacheError as error:
+        print(f"load failed: {error}", flush=True)
+    # the prefill the load would have saved: here, the bytes the prompt's rows hold
+    for i in range(4):
+        bits(tensors[f"kv{i}"])[ROWS] = source[f"kv{i}"][:PAGES]
+    bits(tensors["state"])[1] = source["state"][0]
+    torch.cuda.synchronize()  # the GPU is fine: nothing of the daemon's is pending here
+    print("recomputed ok" if rows_right(tensors, source) else "bad rows", flush=True)
+
+
+def replied(address: str, seed: int) -> None:
+    worker, tensors, source = stored(address, seed)
+    poison(tensors, 0)
+    torch.cuda._sleep(5_000_000_000)  # seconds of GPU time ahead of the ready event
+    result = worker.load(prompt(0), kv_rows=ROWS, slot=1)  # replies with the copy queued
+    print(f"replied {result.match.pages}", flush=True)
+    sys.stdin.readline()  # the test kills the daemon, then says go on
+    done = threading.Event()
+    threading.Thread(target=lambda: (torch.cuda.current_stream().synchronize(), done.set()),
+                     daemon=True).start()
+    if not done.wait(60):
+        print("stream hung", flush=True)
+        return
+    print("stream done; rows " + ("loaded" if rows_right(tensors, source) else "not loaded"),
+          flush=True)
+
+
+if __name__ == "__main__":
+    mode, address, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    {"load": load, "recompute": recompute, "replied": replied}[mode](address, seed)

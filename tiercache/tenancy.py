@@ -1,0 +1,64 @@
+"""Keeping tenants apart below the namespace: a per-tenant mask on every key.
+
+The daemon derives each tenant's namespace root from the tenant's name, so honest
+workers of two tenants never compute the same keys. A worker that learns another
+tenant's root could still compute that tenant's keys; so the daemon also XORs every key a
+worker sends with a 128-bit mask derived from a secret only the daemon knows and the
+worker's tenant (HMAC-SHA256). Engine keys of two tenants differ even for the same key on
+the wire, and no worker can compute another tenant's engine keys. XOR is a bijection per
+tenant (distinct keys stay distinct) and costs one vectorised pass over the (n, 2) uint64
+key array.
+
+The secret lives in the data directory beside the disk tier (mode 0600): the disk holds
+masked keys, so a new secret makes the old entries unreachable (misses, then evicted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+
+import numpy as np
+
+from tiercache.errors import FailedPrecondition
+
+SECRET_BYTES = 32
+_TAG = b"tiercache/tenant-mask/v1\0"
+
+
+def tenant_mask(secret: bytes, tenant: str) -> np.ndarray:
+    """The tenant's mask as a uint64 pair, to XOR with keys of shape (n, 2)."""
+    digest = hmac.new(secret, _TAG + tenant.encode(), hashlib.sha256).digest()
+    return np.frombuffer(digest[:16], "<u8").copy()
+
+
+def masked(keys: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Keys as the engine sees them (and, applied again, as the worker sent them)."""
+    return np.bitwise_xor(keys, mask)
+
+
+def load_secret(path: str) -> bytes:
+    """The daemon's secret at `path`, created (0600) on first use: written whole to a
+    temporary file, then linked into place, so a crash never leaves half a secret."""
+    if not os.path.exists(path):
+        temporary = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, os.urandom(SECRET_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(temporary, path)  # never replaces a secret another start wrote first
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(temporary)
+    with open(path, "rb") as f:
+        secret = f.read()
+    if len(secret) != SECRET_BYTES:
+        raise FailedPrecondition(f"{path} is not a tiercache secret ({len(secret)} bytes, not "
+                                 f"{SECRET_BYTES}): restore it, or delete it to start afresh "
+                                 "(cached entries become unreachable)")
+    return secret
