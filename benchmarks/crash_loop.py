@@ -221,6 +221,16 @@ def check_restarted(daemon: subprocess.Popen, address: str, history: History,
             raise RuntimeError(f"the restarted daemon failed a check: {error}") from error
 
 
+def wait_for_journals(journals: list[Path], children: list[subprocess.Popen]) -> None:
+    """Workers open their journals once imported (slow where torch finds CUDA): the first
+    cycle waits for them, so that it is not over before they began."""
+    deadline = time.time() + 300
+    while not all(path.exists() for path in journals):
+        if time.time() > deadline or any(child.poll() is not None for child in children):
+            raise RuntimeError("the crash workers did not start (see their output above)")
+        time.sleep(0.1)
+
+
 def run(cycles: int, workers: int = 2, seed: int = 0, data_dir: Path | None = None,
         progress: bool = False) -> History:
     rng = np.random.default_rng(seed)
@@ -234,6 +244,7 @@ def run(cycles: int, workers: int = 2, seed: int = 0, data_dir: Path | None = No
                     for n, journal in enumerate(journals)]
         history = History()
         try:
+            wait_for_journals(journals, children)
             for n in range(cycles):
                 cycle(data_dir, journals, history, rng)
                 if progress and (n + 1) % 25 == 0:
