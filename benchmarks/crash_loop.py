@@ -97,7 +97,8 @@ def start_daemon(data_dir: Path, log: Path, failpoints: str) -> tuple[subprocess
     before = log.stat().st_size if log.exists() else 0  # the log of this start only
     with open(log, "a") as out:
         process = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--data-dir",
-                                    str(data_dir), "--socket", str(socket), *FLAGS],
+                                    str(data_dir), "--socket", str(socket), "--metrics-address",
+                                    "127.0.0.1:0", *FLAGS],
                                    stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     deadline = time.time() + 60
     while time.time() < deadline and process.poll() is None:
