@@ -77,6 +77,20 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class _Unparsable(logging.Filter):
+    """grpc logs each request it cannot parse at ERROR with a traceback (before any handler
+    of ours runs, and it answers INTERNAL): a client sending garbage would flood the log.
+    One WARNING line each instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Exception deserializing") and record.exc_info:
+            error = record.exc_info[1]
+            record.msg, record.args = f"a request could not be parsed (answered INTERNAL): {error}", ()
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def setup(log_format: str, level: str) -> None:
     """Send every logger's lines to stderr in `log_format`: once, in the entry point."""
     handler = logging.StreamHandler(sys.stderr)
@@ -87,6 +101,7 @@ def setup(log_format: str, level: str) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    logging.getLogger("grpc._common").addFilter(_Unparsable())
 
 
 def redacted(config: Any) -> dict[str, Any]:

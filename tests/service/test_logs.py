@@ -92,3 +92,19 @@ def test_settings_that_hold_secrets_are_masked():
         tls_key_password: str = ""
     assert redacted(WithSecrets()) == {"socket": "/run/tiercache.sock", "auth_token": "***",
                                        "tls_key_password": ""}
+
+
+def test_a_request_that_cannot_be_parsed_is_one_warning_line_not_a_traceback(tmp_path):
+    with running_daemon(tmp_path) as (address, process):
+        channel = grpc.insecure_channel(address)
+        call = channel.unary_unary("/tiercache.v1.Tiercache/Match")  # bytes in, bytes out
+        for _ in range(3):
+            try:
+                call(b"\xff\xff\xff", timeout=10)  # not a MatchRequest
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.INTERNAL
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    warnings = [line for line in output.splitlines() if "could not be parsed" in line]
+    assert len(warnings) == 3 and all(" WARNING grpc._common: " in line for line in warnings)
+    assert "Traceback" not in output and "ERROR" not in output
