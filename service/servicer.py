@@ -135,12 +135,11 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
         checks = self._checks(request.checks, keys)
         with self._worker(request.worker_id, context) as worker:
-            layout, keys = worker.layout, worker.engine_keys(keys)
-            result = self.engine.store(worker.buffers, keys, np.asarray(request.kv_rows, np.int64),
-                                       checkpoints, ready=_event(request.ready_event, worker),
-                                       checks=checks, alive=lambda: _waiting(context))
-        if request.durable:  # the rows are copied: the registration is not needed any more
-            self.engine.persist(layout, keys, result, timeout=context.time_remaining())
+            result = self.engine.store(worker.buffers, worker.engine_keys(keys),
+                                       np.asarray(request.kv_rows, np.int64), checkpoints,
+                                       ready=_event(request.ready_event, worker), checks=checks,
+                                       alive=lambda: _waiting(context), durable=request.durable,
+                                       timeout=context.time_remaining())
         return store_to_proto(result)
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:

@@ -324,11 +324,9 @@ class _Embedded:
     def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
               durable: bool) -> StoreResult:
         device = self._buffers.device if self._buffers.device.type == "cuda" else None
-        result = self._engine.store(self._buffers, prompt.keys, rows, checkpoints,
-                                    ready=_ready_event(device), checks=_checks(prompt))
-        if durable:
-            self._engine.persist(self._buffers.layout, prompt.keys, result)
-        return result
+        return self._engine.store(self._buffers, prompt.keys, rows, checkpoints,
+                                  ready=_ready_event(device), checks=_checks(prompt),
+                                  durable=durable)
 
     def evict(self, prompt: Request, tier: Tier | None) -> int:
         return self._engine.evict(prompt.keys, tier)

@@ -218,7 +218,8 @@ class Engine:
     # -- store ------------------------------------------------------------------------
     def store(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
               checkpoints: Mapping[int, int] | None = None, ready: Any = None, *,
-              checks: np.ndarray | None = None, alive: Alive | None = None) -> StoreResult:
+              checks: np.ndarray | None = None, alive: Alive | None = None,
+              durable: bool = False, timeout: float | None = None) -> StoreResult:
         """Store a prompt after prefill: its KV pages (keys[i] from rows[i]; none for a
         layout without paged buffers) and, of the checkpoints offered, {pages: state slot}
         (each the state after that many pages), those the admission policy keeps. The
@@ -229,7 +230,10 @@ class Engine:
         `checks` (uint64, one per key, e.g. hashing.page_checks) go with the entries: a
         match must bring the same to hit them. `alive` says whether the caller still
         waits: once it does not, the worker may be writing its rows again, so a batch
-        copied after that is dropped instead of published."""
+        copied after that is dropped instead of published.
+
+        `durable`: return only once every page of the chain and each checkpoint the result
+        names are committed to disk (within `timeout` seconds); raise if they cannot be."""
         layout, chain = buffers.layout, key_array(keys)
         checks = _checks(checks, chain)
         offered = dict(checkpoints or {})
@@ -251,8 +255,12 @@ class Engine:
         kept = admit(self.config.policy.admission, offered, len(chain), shared)
         with self._lock:
             self.counters["declined_checkpoints"] += len(offered) - len(kept)
-        return self._store_chain(buffers, chain, src if layout.needs_pages else None,
-                                 {n: slots[n] for n in kept.tolist()}, ready, checks, alive)
+        src = src if layout.needs_pages else None
+        kept_slots = {n: slots[n] for n in kept.tolist()}
+        result = self._store_chain(buffers, chain, src, kept_slots, ready, checks, alive)
+        if durable:
+            self._persist(buffers, chain, src, kept_slots, checks, alive, result, timeout)
+        return result
 
     def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],
                     ready: Any = None) -> StoreResult:
@@ -275,37 +283,48 @@ class Engine:
         src = row_ids([slot], buffers.layout.slot_rows, "state slot")
         return self._store_chain(buffers, chain, None, {len(chain): int(src[0])}, ready)
 
-    def persist(self, layout: Layout, keys: Keys, stored: StoreResult,
-                timeout: float | None = None) -> None:
-        """Return once the entries of a store (every page of the chain, for a layout with
-        paged buffers, and the checkpoints `stored` names) are committed to disk: what a
-        durable store acknowledges. Raises if they cannot all get there."""
+    def _persist(self, buffers: WorkerBuffers, chain: np.ndarray, src: np.ndarray | None,
+                 slots: dict[int, int], checks: np.ndarray | None, alive: Alive | None,
+                 stored: StoreResult, timeout: float | None) -> None:
+        """Commit the entries of a store to disk before it is acknowledged as durable: pinned
+        meanwhile, so that no other store evicts them. Entries evicted before they could be
+        pinned are stored again: the caller still waits, so its rows still hold them."""
         if self.disk is None:
             raise FailedPrecondition("durable stores need a disk tier: start the daemon with one")
         if stored.skipped:
             raise ResourceExhausted(f"{stored.skipped} entries of the store found no room in "
                                     "memory, so they cannot be made durable: raise the budgets")
-        chain = key_array(keys)
         depths = np.asarray(stored.checkpoints, np.int64)
-        for _ in range(2):  # the second pass writes what was evicted down meanwhile
+        for _ in range(3):
+            failpoints.hit("store.before_persist")
             with self._lock:
                 self._check_open()
                 rows = np.concatenate([
-                    self.index.rows_of(Kind.PAGE, chain) if layout.needs_pages else [],
+                    self.index.rows_of(Kind.PAGE, chain) if src is not None else [],
                     self.index.rows_of(Kind.CHECKPOINT, chain[depths - 1])]).astype(np.int64)
-                if np.any(rows < 0):
-                    raise ResourceExhausted("entries of the store were evicted before they "
-                                            "reached disk: raise the budgets for durable stores")
-                rows = rows[~self.index.in_tier(rows, Tier.DISK)]
-                if not len(rows):
-                    return
+                if np.all(rows >= 0):
+                    self.index.pin(rows)
+                    break
+            self._store_chain(buffers, chain, src, {d: slots[d] for d in depths.tolist()},
+                              None, checks, alive)
+        else:
+            raise ResourceExhausted("entries of the store were evicted by others before they "
+                                    "reached disk, three times: raise the budgets for durable stores")
+        try:
+            with self._lock:
+                todo = rows[~self.index.in_tier(rows, Tier.DISK)]
                 if self.tiers.device is not None:  # device-only entries go down first
-                    self.tiers.copy_down(rows[~self.index.in_tier(rows, Tier.HOST)])
-            if not self.moving.write_and_wait(rows, timeout):
+                    self.tiers.copy_down(todo[~self.index.in_tier(todo, Tier.HOST)])
+            if not self.moving.write_and_wait(todo, timeout):
                 raise DeadlineExceeded("the deadline passed before the store reached disk: "
                                        "its entries may or may not be durable")
-        raise ResourceExhausted("the disk tier could not take the store's entries: raise "
-                                "--disk-map-size or store without durable")
+            with self._lock:
+                if not np.all(self.index.in_tier(rows, Tier.DISK)):
+                    raise ResourceExhausted("the disk tier could not take the store's entries: "
+                                            "raise --disk-map-size or store without durable")
+        finally:
+            with self._lock:
+                self.index.unpin(rows)
 
     def _page_rows(self, layout: Layout, chain: np.ndarray, rows: Sequence[int]) -> np.ndarray:
         src = row_ids(rows, layout.page_rows, "kv row")

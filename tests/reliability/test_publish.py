@@ -96,10 +96,9 @@ def test_a_failed_disk_commit_publishes_nothing_on_disk_and_a_durable_store_says
     engine = open_engine(tmp_path)
     buffers, keys = stored(engine, seed=3)
     with failpoints.armed("disk.before_commit", "raise"):
-        result = engine.store(buffers, keys, range(PAGES), {PAGES: 0})
         # 1. the durable acknowledgement is refused: the transaction was aborted
         with pytest.raises(ResourceExhausted, match="disk"):
-            engine.persist(LAYOUT, keys, result, timeout=10)
+            engine.store(buffers, keys, range(PAGES), {PAGES: 0}, durable=True, timeout=10)
     assert engine.stats().tiers[1].entries == 0
     # 2. without its host copies, the prompt is a miss, not garbage
     engine.evict(tier=Tier.HOST)
@@ -259,3 +258,33 @@ def test_a_store_whose_caller_stopped_waiting_publishes_nothing(tmp_path, monkey
         patient = Client(address, timeout=10).register(prompts.MODEL, prompts.LAYOUT)
         assert patient.match(tokens).pages == 0
         worker.close(), patient.close()
+
+
+def test_a_durable_store_whose_entries_others_evict_first_stores_them_again(tmp_path):
+    engine = open_engine(tmp_path, writes="back")
+    buffers, keys = stored(engine, seed=7)
+    evictions = []
+
+    def evict_once(name):  # another store's eviction, between publishing and pinning
+        if not evictions:
+            evictions.append(engine.evict(keys))
+    with failpoints.armed("store.before_persist", evict_once):
+        result = engine.store(buffers, keys, range(PAGES), {PAGES: 0}, durable=True, timeout=10)
+    # 1. everything was gone once, and the acknowledgement still came: all of it on disk
+    assert evictions == [PAGES + 1] and result.checkpoints == (PAGES,)
+    assert engine.stats().tiers[1].entries == PAGES + 1
+    assert not engine.index.column("pins", engine.index.rows_in(Tier.DISK)).any()
+    # 2. from disk alone, every byte as stored
+    engine.evict(tier=Tier.HOST)
+    assert load_checked(engine, keys) == PAGES
+    engine.close()
+
+
+def test_a_durable_store_evicted_every_time_says_so_and_leaves_nothing_pinned(tmp_path):
+    engine = open_engine(tmp_path, writes="back")
+    buffers, keys = stored(engine, seed=8)
+    with failpoints.armed("store.before_persist", lambda name: engine.evict(keys)), \
+            pytest.raises(ResourceExhausted, match="evicted by others"):
+        engine.store(buffers, keys, range(PAGES), {PAGES: 0}, durable=True, timeout=10)
+    assert not engine.index.column("pins", engine.index.rows_in(Tier.HOST)).any()
+    engine.close()
