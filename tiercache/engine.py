@@ -257,9 +257,15 @@ class Engine:
             self.counters["declined_checkpoints"] += len(offered) - len(kept)
         src = src if layout.needs_pages else None
         kept_slots = {n: slots[n] for n in kept.tolist()}
-        result = self._store_chain(buffers, chain, src, kept_slots, ready, checks, alive)
-        if durable:
-            self._persist(buffers, chain, src, kept_slots, checks, alive, result, timeout)
+        pins: list[np.ndarray] | None = [] if durable else None
+        try:
+            result = self._store_chain(buffers, chain, src, kept_slots, ready, checks, alive, pins)
+            if durable:
+                self._persist(buffers, chain, src, kept_slots, checks, alive, result, timeout, pins)
+        finally:
+            if pins:
+                with self._lock:
+                    self.index.unpin(np.concatenate(pins))
         return result
 
     def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],
@@ -285,46 +291,45 @@ class Engine:
 
     def _persist(self, buffers: WorkerBuffers, chain: np.ndarray, src: np.ndarray | None,
                  slots: dict[int, int], checks: np.ndarray | None, alive: Alive | None,
-                 stored: StoreResult, timeout: float | None) -> None:
-        """Commit the entries of a store to disk before it is acknowledged as durable: pinned
-        meanwhile, so that no other store evicts them. Entries evicted before they could be
-        pinned are stored again: the caller still waits, so its rows still hold them."""
+                 stored: StoreResult, timeout: float | None, pins: list[np.ndarray]) -> None:
+        """Commit the entries of a store to disk before it is acknowledged as durable. The
+        store pinned what it published or found cached, so no other store evicts it now;
+        entries another store was writing at the time are waited for, and stored again if
+        it failed (the caller still waits, so its rows still hold them)."""
         if self.disk is None:
             raise FailedPrecondition("durable stores need a disk tier: start the daemon with one")
         if stored.skipped:
             raise ResourceExhausted(f"{stored.skipped} entries of the store found no room in "
                                     "memory, so they cannot be made durable: raise the budgets")
         depths = np.asarray(stored.checkpoints, np.int64)
-        for _ in range(3):
+        deadline = time.monotonic() + (30.0 if timeout is None else timeout)
+        while True:
             failpoints.hit("store.before_persist")
             with self._lock:
                 self._check_open()
                 rows = np.concatenate([
                     self.index.rows_of(Kind.PAGE, chain) if src is not None else [],
                     self.index.rows_of(Kind.CHECKPOINT, chain[depths - 1])]).astype(np.int64)
-                if np.all(rows >= 0):
-                    self.index.pin(rows)
+                pinned = np.concatenate(pins) if pins else np.empty(0, np.int64)
+                if np.all(np.isin(rows, pinned)):
                     break
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded("entries of a durable store stayed in other stores' hands "
+                                       "until the deadline: its entries may or may not be durable")
+            time.sleep(0.001)  # others may still be writing them: store again what is missing
             self._store_chain(buffers, chain, src, {d: slots[d] for d in depths.tolist()},
-                              None, checks, alive)
-        else:
-            raise ResourceExhausted("entries of the store were evicted by others before they "
-                                    "reached disk, three times: raise the budgets for durable stores")
-        try:
-            with self._lock:
-                todo = rows[~self.index.in_tier(rows, Tier.DISK)]
-                if self.tiers.device is not None:  # device-only entries go down first
-                    self.tiers.copy_down(todo[~self.index.in_tier(todo, Tier.HOST)])
-            if not self.moving.write_and_wait(todo, timeout):
-                raise DeadlineExceeded("the deadline passed before the store reached disk: "
-                                       "its entries may or may not be durable")
-            with self._lock:
-                if not np.all(self.index.in_tier(rows, Tier.DISK)):
-                    raise ResourceExhausted("the disk tier could not take the store's entries: "
-                                            "raise --disk-map-size or store without durable")
-        finally:
-            with self._lock:
-                self.index.unpin(rows)
+                              None, checks, alive, pins)
+        with self._lock:
+            todo = rows[~self.index.in_tier(rows, Tier.DISK)]
+            if self.tiers.device is not None:  # device-only entries go down first
+                self.tiers.copy_down(todo[~self.index.in_tier(todo, Tier.HOST)])
+        if not self.moving.write_and_wait(todo, None if timeout is None else deadline - time.monotonic()):
+            raise DeadlineExceeded("the deadline passed before the store reached disk: "
+                                   "its entries may or may not be durable")
+        with self._lock:
+            if not np.all(self.index.in_tier(rows, Tier.DISK)):
+                raise ResourceExhausted("the disk tier could not take the store's entries: "
+                                        "raise --disk-map-size or store without durable")
 
     def _page_rows(self, layout: Layout, chain: np.ndarray, rows: Sequence[int]) -> np.ndarray:
         src = row_ids(rows, layout.page_rows, "kv row")
@@ -341,7 +346,7 @@ class Engine:
 
     def _store_chain(self, buffers: WorkerBuffers, chain: np.ndarray, src: np.ndarray | None,
                      offers: dict[int, int], ready: Any = None, checks: np.ndarray | None = None,
-                     alive: Alive | None = None) -> StoreResult:
+                     alive: Alive | None = None, pins: list[np.ndarray] | None = None) -> StoreResult:
         """Store the pages of a chain (if `src`) and checkpoints {pages: slot}, all under one
         stamp, each entry rated by what it saves (admission.entry_values)."""
         layout, depths = buffers.layout, np.array(sorted(offers), np.int64)
@@ -356,7 +361,7 @@ class Engine:
         result = StoreResult(0, 0, 0)
         if src is not None:
             result += self._store(_pages(buffers, transfer), chain, np.arange(1, len(chain) + 1),
-                                  src, page_values, stamp, ready, checks, alive)[0]
+                                  src, page_values, stamp, ready, checks, alive, pins)[0]
         elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
             with self._lock:
                 rows = self.index.rows_of(Kind.PAGE, chain)
@@ -365,20 +370,22 @@ class Engine:
             part, kept = self._store(_checkpoints(buffers, transfer), chain[depths - 1], depths,
                                      np.array([offers[d] for d in depths.tolist()], np.int64),
                                      end_values[np.searchsorted(ends, depths)], stamp, ready,
-                                     None if checks is None else checks[depths - 1], alive)
+                                     None if checks is None else checks[depths - 1], alive, pins)
             result += StoreResult(part.stored, part.present, part.skipped,
                                   tuple(depths[kept].tolist()))
         return result
 
     def _store(self, group: Group, keys: np.ndarray, depths: np.ndarray, src: np.ndarray,
                values: np.ndarray, stamp: int, ready: Any, checks: np.ndarray | None = None,
-               alive: Alive | None = None) -> tuple[StoreResult, np.ndarray]:
+               alive: Alive | None = None, pins: list[np.ndarray] | None = None
+               ) -> tuple[StoreResult, np.ndarray]:
         """Store entries in the first tier: the device tier for workers on its GPU, else the
-        host. Returns the result and which keys are cached now."""
+        host. Returns the result and which keys are cached now. With `pins`, the entries
+        published or found cached are pinned (a durable store), each array appended."""
         group.transfer.wait_for(ready, "store")
         tier = Tier.DEVICE if group.transfer is self.tiers.device_transfer else Tier.HOST
         arena = self.tiers.arena(tier)
-        todo, claimed, clashes = self._claim(group.kind, keys, values, stamp, checks)
+        todo, claimed, clashes = self._claim(group.kind, keys, values, stamp, checks, pins)
         stored = 0
         try:
             while stored < len(todo):  # in batches: each one may push the last down a tier
@@ -405,6 +412,9 @@ class Engine:
                     rows = self.index.publish(group.kind, keys[batch], depths[batch], group.nbytes,
                                               tier, slots, stamp, values[batch],
                                               None if checks is None else checks[batch])
+                    if pins is not None:
+                        self.index.pin(rows)
+                        pins.append(rows)
                     if tier == Tier.DEVICE:
                         self.moving.stored_on_device(rows)
                     else:
@@ -428,7 +438,8 @@ class Engine:
         return StoreResult(stored, len(keys) - len(todo) - len(clashes), skipped), kept
 
     def _claim(self, kind: Kind, keys: np.ndarray, values: np.ndarray, stamp: int,
-               checks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               checks: np.ndarray | None = None, pins: list[np.ndarray] | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Refresh the entries already cached; claim the others that no concurrent store is
         writing. Returns (positions of the claimed keys, the claimed keys, positions of keys
         cached for another prompt: a collision, left alone and not stored)."""
@@ -441,6 +452,9 @@ class Engine:
             present = existing >= 0
             self.index.touch(existing[present], stamp)
             self.index.raise_values(existing[present], values[present])
+            if pins is not None:
+                self.index.pin(existing[present])
+                pins.append(existing[present])
             new = np.flatnonzero(existing == -1)
             self.tiers.returned(kind, keys[new])
             todo = new[self._inflight[kind].lookup(keys[new]) < 0]  # others are writing the rest

@@ -14,7 +14,7 @@ point), `sleep(S)` (S seconds), each optionally with a probability: `raise(0.1)`
 Points (where, and what a failure there must not break):
   store.before_gather    engine: arena slots reserved, the worker's rows not copied yet
   store.before_publish   engine: bytes gathered into arena slots, entries not visible yet
-  store.before_persist   engine: a durable store's entries published, not yet pinned
+  store.before_persist   engine: a durable store published (and pinned), not yet committed
   disk.before_commit     disk tier: values put in the transaction, not committed
   disk.after_commit      disk tier: committed, not yet published in the index
   disk.read              disk tier: reading one entry (a raise stands for an I/O error)

@@ -260,31 +260,52 @@ def test_a_store_whose_caller_stopped_waiting_publishes_nothing(tmp_path, monkey
         worker.close(), patient.close()
 
 
-def test_a_durable_store_whose_entries_others_evict_first_stores_them_again(tmp_path):
+def test_a_durable_store_holds_its_entries_until_they_are_on_disk(tmp_path):
     engine = open_engine(tmp_path, writes="back")
     buffers, keys = stored(engine, seed=7)
-    evictions = []
+    evicted = []
 
-    def evict_once(name):  # another store's eviction, between publishing and pinning
-        if not evictions:
-            evictions.append(engine.evict(keys))
-    with failpoints.armed("store.before_persist", evict_once):
+    def evict(name):  # other stores' evictions, between publishing and committing
+        evicted.extend([engine.evict(keys), engine.evict(tier=Tier.HOST)])
+    with failpoints.armed("store.before_persist", evict):
         result = engine.store(buffers, keys, range(PAGES), {PAGES: 0}, durable=True, timeout=10)
-    # 1. everything was gone once, and the acknowledgement still came: all of it on disk
-    assert evictions == [PAGES + 1] and result.checkpoints == (PAGES,)
+    # 1. nothing could be evicted meanwhile, and all of it is on disk, unpinned again
+    assert evicted == [0, 0] and result.checkpoints == (PAGES,)
     assert engine.stats().tiers[1].entries == PAGES + 1
-    assert not engine.index.column("pins", engine.index.rows_in(Tier.DISK)).any()
+    assert not engine.index.column("pins", engine.index.rows_in(Tier.HOST)).any()
     # 2. from disk alone, every byte as stored
     engine.evict(tier=Tier.HOST)
     assert load_checked(engine, keys) == PAGES
     engine.close()
 
 
-def test_a_durable_store_evicted_every_time_says_so_and_leaves_nothing_pinned(tmp_path):
+def test_a_durable_store_stores_again_what_a_failed_concurrent_store_was_writing(tmp_path):
     engine = open_engine(tmp_path, writes="back")
     buffers, keys = stored(engine, seed=8)
-    with failpoints.armed("store.before_persist", lambda name: engine.evict(keys)), \
-            pytest.raises(ResourceExhausted, match="evicted by others"):
-        engine.store(buffers, keys, range(PAGES), {PAGES: 0}, durable=True, timeout=10)
-    assert not engine.index.column("pins", engine.index.rows_in(Tier.HOST)).any()
+    writing, durable_waits = threading.Event(), threading.Event()
+
+    def other_store_fails(name):  # only the other store's thread stops here
+        if threading.current_thread().name == "other":
+            writing.set()
+            assert durable_waits.wait(10)
+            raise InjectedFault(name)
+
+    def persist_point(name):
+        durable_waits.set()  # the durable store found pages the other store was writing
+
+    def other():
+        with pytest.raises(InjectedFault):
+            engine.store(buffers, keys, range(PAGES), {PAGES: 0})
+    with failpoints.armed("store.before_publish", other_store_fails), \
+            failpoints.armed("store.before_persist", persist_point):
+        thread = threading.Thread(target=other, name="other")
+        thread.start()
+        assert writing.wait(10)  # 1. the other store claimed the pages, then stalls
+        # 2. the durable store skips what the other is writing, waits, then stores it itself
+        result = engine.store(buffers, keys, range(PAGES), {PAGES: 0}, durable=True, timeout=10)
+        thread.join()
+    assert result.checkpoints == (PAGES,)
+    assert engine.stats().tiers[1].entries == PAGES + 1
+    engine.evict(tier=Tier.HOST)
+    assert load_checked(engine, keys) == PAGES
     engine.close()
