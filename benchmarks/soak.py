@@ -34,7 +34,7 @@ MiB = 1 << 20
 @dataclass
 class Soak:
     counts: collections.Counter = field(default_factory=collections.Counter)
-    rss: list[tuple[float, int]] = field(default_factory=list)  # (seconds, bytes)
+    rss: list[tuple[float, int, int]] = field(default_factory=list)  # (seconds, bytes, anonymous)
     counters: dict[str, int] = field(default_factory=dict)  # the daemon's, at the end
     exits: list[int] = field(default_factory=list)
 
@@ -42,23 +42,27 @@ class Soak:
     def errors(self) -> int:
         return sum(n for kind, n in self.counts.items() if kind.startswith("error"))
 
-    def growth(self, warmup: float) -> int:
-        """Resident bytes gained from the end of the warm-up to the end."""
-        after = [b for t, b in self.rss if t >= warmup] or [b for _, b in self.rss]
+    def growth(self, warmup: float, column: int = 1) -> int:
+        """Resident bytes (column 1: all, 2: anonymous, i.e. not the LMDB map's file pages)
+        gained from the end of the warm-up to the end."""
+        after = [s[column] for s in self.rss if s[0] >= warmup] or [s[column] for s in self.rss]
         return after[-1] - after[0]
 
 
-def rss(pid: int) -> int:
+def rss(pid: int) -> tuple[int, int]:
+    """Resident bytes of a process: all of them, and the anonymous ones."""
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
+                  if line.startswith(("VmRSS", "RssAnon"))}
+    return fields["VmRSS"], fields["RssAnon"]
 
 
 def sample(pid: int, into: list, stop: threading.Event, every: float) -> None:
     start = time.monotonic()
     while not stop.wait(every):
         try:
-            into.append((time.monotonic() - start, rss(pid)))
-        except (FileNotFoundError, StopIteration):
+            into.append((time.monotonic() - start, *rss(pid)))
+        except (FileNotFoundError, KeyError):
             return
 
 
@@ -96,16 +100,17 @@ def main() -> None:
                     (f"daemon {k}", result.counters.get(k, 0)) for k in (
                         "evicted_host", "evicted_disk", "demoted", "disk_writes", "promoted",
                         "checksum_failures", "collisions")])
-    rss_mib = [b / MiB for _, b in result.rss]
+    rss_mib = [b / MiB for _, b, _ in result.rss]
     print(f"daemon RSS MiB: first {rss_mib[0]:.1f}, after {warmup:.0f} s warm-up "
-          f"{[b for t, b in result.rss if t >= warmup][0] / MiB:.1f}, last {rss_mib[-1]:.1f}, "
+          f"{[b for t, b, _ in result.rss if t >= warmup][0] / MiB:.1f}, last {rss_mib[-1]:.1f}, "
           f"max {max(rss_mib):.1f} ({len(rss_mib)} samples); worker exits {result.exits}")
     step = max(1, len(result.rss) // 12)
-    print("daemon RSS over time (s: MiB): " + ", ".join(
-        f"{t:.0f}: {b / MiB:.1f}" for t, b in result.rss[::step]))
+    print("daemon RSS over time (s: all / anonymous MiB): " + ", ".join(
+        f"{t:.0f}: {b / MiB:.1f} / {a / MiB:.1f}" for t, b, a in result.rss[::step]))
     print_summary(ops=ops, ops_per_s=ops / args.seconds, errors=result.errors,
                   wrong_loads=result.counts["wrong"], loaded_pages=result.counts["loaded_pages"],
-                  rss_growth_mib=result.growth(warmup) / MiB, worker_failures=sum(
+                  rss_growth_mib=result.growth(warmup) / MiB,
+                  anon_growth_mib=result.growth(warmup, 2) / MiB, worker_failures=sum(
                       code != 0 for code in result.exits))
 
 
