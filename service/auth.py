@@ -74,8 +74,13 @@ def _tenant(name: str, table: Mapping[str, Any]) -> Tenant:
     if hash_name and hash_name not in HASHES:
         raise InvalidArgument(f"tenants file: tenant {name!r} hash {hash_name!r} is unknown: "
                               f"use one of {sorted(HASHES)}")
-    return Tenant(name, tuple(_digest(str(t)) for t in table.get("tokens", ())),
-                  tuple(str(c) for c in table.get("common_names", ())), hash_name)
+    for key in ("tokens", "common_names"):
+        value = table.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise InvalidArgument(f"tenants file: tenant {name!r} {key} must be a list of "
+                                  f'strings, e.g. {key} = ["..."]')
+    return Tenant(name, tuple(_digest(t) for t in table.get("tokens", [])),
+                  tuple(table.get("common_names", [])), hash_name)
 
 
 def load_tenants(path: str) -> dict[str, Tenant]:
@@ -90,6 +95,10 @@ def load_tenants(path: str) -> dict[str, Tenant]:
     names = [cn for t in tenants.values() for cn in t.common_names]
     if len(names) != len(set(names)):
         raise InvalidArgument("tenants file: a certificate common name is listed for two tenants")
+    digests = [d for t in tenants.values() for d in t.token_digests]
+    if len(digests) != len(set(digests)):
+        raise InvalidArgument("tenants file: a token is listed twice (for two tenants, or twice "
+                              "for one): give each its own")
     return tenants
 
 

@@ -146,10 +146,12 @@ class Index:
 
     def verified(self, rows: np.ndarray, checks: np.ndarray | None) -> np.ndarray:
         """`rows` (of keys looked up), with -1 where the entry's check differs from the
-        caller's: another prompt under the same key (a collision), never served."""
+        caller's: another prompt under the same key (a collision), never served. An entry
+        stored without checks (0: its caller gave keys, not tokens) has nothing to compare."""
         if checks is None or not len(rows):
             return rows
-        clash = (rows >= 0) & (self._cols["check"][np.maximum(rows, 0)] != checks)
+        stored = self._cols["check"][np.maximum(rows, 0)]
+        clash = (rows >= 0) & (stored != 0) & (stored != checks)
         if clash.any():
             self.collisions += int(clash.sum())
             rows = np.where(clash, -1, rows)
@@ -189,10 +191,10 @@ class Index:
         checkpoints = self._maps[Kind.CHECKPOINT]
         if not len(keys):
             return 0, None
-        last = checkpoints.get(keys[-1])  # the usual case: the hit ends at a checkpoint
-        if last >= 0 and (checks is None or self._cols["check"][last] == checks[-1]):
+        last = int(self.verified(np.array([checkpoints.get(keys[-1])], np.int64),
+                                 None if checks is None else checks[-1:])[0])
+        if last >= 0:  # the usual case: the hit ends at a checkpoint
             return len(keys), last
-        self.collisions += last >= 0
         rows = self.verified(checkpoints.lookup(keys[:-1]), None if checks is None else checks[:-1])
         found = np.flatnonzero(rows >= 0)
         return (0, None) if not found.size else (int(found[-1]) + 1, int(rows[found[-1]]))

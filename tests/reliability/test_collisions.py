@@ -110,3 +110,17 @@ def test_checks_of_the_wrong_length_are_refused(daemon):
     with pytest.raises(InvalidArgument, match="8 bytes per key"):
         worker._backend.match(Request(keys, np.zeros(2, np.uint64).tobytes()), False)
     worker.close()
+
+
+def test_entries_stored_by_keys_hit_for_a_caller_that_sends_tokens():
+    # A worker that stores with keys (as the transformers adapter does) sends no checks;
+    # the same worker matching with tokens sends them. Nothing to compare is not a clash.
+    client = EmbeddedClient(EngineConfig(host=HostConfig(budget_bytes=1 << 26, pin=False)))
+    worker = client.register(prompts.MODEL, prompts.LAYOUT)
+    tokens = prompts.tokens(7)
+    keyed.fill(keyed.byte_rows(worker.paged), keyed.byte_rows(worker.slots), worker.keys(tokens),
+               list(range(prompts.PAGES)), 0)
+    worker.store(keys=worker.keys(tokens), kv_rows=range(prompts.PAGES),
+                 checkpoints={prompts.PAGES * prompts.PAGE: 0})
+    assert worker.match(tokens).pages == prompts.PAGES
+    assert client.engine.stats().counters.get("collisions", 0) == 0

@@ -15,11 +15,12 @@ import socket
 import grpc
 import pytest
 
-from service.auth import Authenticator, Tenant
+from service.auth import Authenticator, Tenant, load_tenants
 from tests.reliability import certs, keyed, prompts
 from tests.service.daemon import running_daemon
 from tiercache.client import Client, Tls
-from tiercache.errors import PermissionDenied, TiercacheError, Unauthenticated, Unavailable
+from tiercache.errors import (InvalidArgument, PermissionDenied, TiercacheError, Unauthenticated,
+                              Unavailable)
 from tiercache.v1 import tiercache_pb2 as pb
 
 # .ci/run installs openssl: CI never skips
@@ -177,3 +178,16 @@ def test_tokens_are_checked_against_every_token_in_constant_time(monkeypatch):
     assert len(compared) == 5
     with pytest.raises(TiercacheError):
         auth._by_token("token-9")
+
+
+@pytest.mark.parametrize("body, says", [
+    ('[tenants.a]\ntokens = "secret"\n', "list of strings"),  # would be one token per letter
+    ('[tenants.a]\ntokens = ["t1"]\n[tenants.b]\ntokens = ["t1"]\n', "listed twice"),
+    ('[tenants.a]\ncommon_names = ["w", 3]\n', "list of strings"),
+])
+def test_a_tenants_file_that_would_grant_the_wrong_tokens_is_refused(tmp_path, body, says):
+    path = tmp_path / "tenants.toml"
+    path.write_text(body)
+    path.chmod(0o600)
+    with pytest.raises(InvalidArgument, match=says):
+        load_tenants(str(path))
