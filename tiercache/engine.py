@@ -257,6 +257,8 @@ class Engine:
             self.counters["declined_checkpoints"] += len(offered) - len(kept)
         src = src if layout.needs_pages else None
         kept_slots = {n: slots[n] for n in kept.tolist()}
+        if durable and self.disk is None:  # before any copying
+            raise FailedPrecondition("durable stores need a disk tier: start the daemon with one")
         pins: list[np.ndarray] | None = [] if durable else None
         try:
             result = self._store_chain(buffers, chain, src, kept_slots, ready, checks, alive, pins)
@@ -296,8 +298,6 @@ class Engine:
         store pinned what it published or found cached, so no other store evicts it now;
         entries another store was writing at the time are waited for, and stored again if
         it failed (the caller still waits, so its rows still hold them)."""
-        if self.disk is None:
-            raise FailedPrecondition("durable stores need a disk tier: start the daemon with one")
         if stored.skipped:
             raise ResourceExhausted(f"{stored.skipped} entries of the store found no room in "
                                     "memory, so they cannot be made durable: raise the budgets")

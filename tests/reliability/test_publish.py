@@ -22,7 +22,7 @@ from tests.tiercache.helpers import hybrid_layout, prompt_keys, random_buffers
 from tiercache import failpoints
 from tiercache.client import Client
 from tiercache.engine import Engine, EngineConfig
-from tiercache.errors import DeadlineExceeded, ResourceExhausted
+from tiercache.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted
 from tiercache.failpoints import InjectedFault
 from tiercache.index import Tier
 from tiercache.policy import PolicyConfig, WriteConfig
@@ -308,4 +308,13 @@ def test_a_durable_store_stores_again_what_a_failed_concurrent_store_was_writing
     assert engine.stats().tiers[1].entries == PAGES + 1
     engine.evict(tier=Tier.HOST)
     assert load_checked(engine, keys) == PAGES
+    engine.close()
+
+
+def test_a_durable_store_without_a_disk_tier_is_refused_before_it_copies_anything():
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=100 * LAYOUT.page_bytes, pin=False)))
+    buffers, keys = stored(engine, seed=9)
+    with pytest.raises(FailedPrecondition, match="disk tier"):
+        engine.store(buffers, keys, range(PAGES), {PAGES: 0}, durable=True)
+    assert engine.stats().tiers[0].entries == 0
     engine.close()
