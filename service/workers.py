@@ -4,6 +4,7 @@ using it, so no copy ever runs on an unmapped buffer."""
 
 from __future__ import annotations
 
+import mmap
 import secrets
 import threading
 from contextlib import contextmanager
@@ -45,10 +46,33 @@ class Registration:
         return keys if self.mask is None else tenancy.masked(keys, self.mask)
 
 
-def map_buffers(layout: Layout, locations: Sequence[pb.BufferLocation]
+@dataclass(frozen=True)
+class Limits:
+    """What one registration may bring (invariant 6: bounded everything)."""
+
+    max_buffers: int = 1024  # buffers in one layout
+    max_allocations: int = 256  # distinct memfds or CUDA allocations of one registration
+    min_entry_bytes: int = 64  # a smaller page or checkpoint costs more to keep than it saves
+
+
+def check_layout(layout: Layout, limits: Limits) -> None:
+    buffers = len(layout.paged) + len(layout.slots)
+    if buffers > limits.max_buffers:
+        raise InvalidArgument(f"the layout has {buffers} buffers, more than the {limits.max_buffers} "
+                              "one worker may register: put several layers in one buffer")
+    for what, nbytes in (("KV page", layout.page_bytes), ("checkpoint", layout.checkpoint_bytes)):
+        if 0 < nbytes < limits.min_entry_bytes:
+            raise InvalidArgument(f"a {what} of this layout is {nbytes} bytes, under the "
+                                  f"{limits.min_entry_bytes} bytes an entry must have: such "
+                                  "entries cost more to keep than they save")
+
+
+def map_buffers(layout: Layout, locations: Sequence[pb.BufferLocation], limits: Limits,
+                redeem: Callable[[bytes], mmap.mmap]
                 ) -> tuple[WorkerBuffers, list[cuda_ipc.Opened]]:
     """The daemon's tensors over a worker's buffers, checked against its layout, and the
-    CUDA allocations it opened for them (to close when the worker goes)."""
+    CUDA allocations it opened for them (to close when the worker goes). Shared-memory
+    buffers are named by the tickets of their handover (`redeem`)."""
     specs = {b.name: b for b in (*layout.paged, *layout.slots)}
     names = [location.name for location in locations]
     if sorted(names) != sorted(specs):
@@ -61,19 +85,26 @@ def map_buffers(layout: Layout, locations: Sequence[pb.BufferLocation]
     for location in locations:
         spec = specs[location.name]
         if location.nbytes != spec.rows * spec.row_bytes:
-            raise InvalidArgument(f"buffer {spec.name!r}: location says {location.nbytes} bytes, the "
-                                  f"layout needs {spec.rows * spec.row_bytes}")
+            raise InvalidArgument(f"buffer {spec.name!r}: location says {location.nbytes} bytes, "
+                                  f"the layout needs {spec.rows * spec.row_bytes}")
+    shared = kinds == {"shm"}
+    allocations = {bytes(loc.shm.ticket if shared else loc.cuda.handle) for loc in locations}
+    if len(allocations) > limits.max_allocations:
+        raise InvalidArgument(f"the buffers lie in {len(allocations)} allocations, more than the "
+                              f"{limits.max_allocations} one worker may register: share fewer, larger "
+                              "allocations")
     opened: list[cuda_ipc.Opened] = []
-    if kinds == {"shm"}:
-        tensors = shm.attach(layout, {loc.name: (loc.shm.name, int(loc.shm.offset)) for loc in locations})
-    else:
-        tensors = _open_cuda(layout, locations, opened)
     try:
+        if shared:
+            mappings = {ticket: redeem(ticket) for ticket in allocations}
+            tensors = shm.attach(layout, {loc.name: (mappings[bytes(loc.shm.ticket)], int(loc.shm.offset))
+                                          for loc in locations})
+        else:
+            tensors = _open_cuda(layout, locations, opened)
         buffers = WorkerBuffers.bind(layout, {b.name: tensors[b.name] for b in layout.paged},
                                      {b.name: tensors[b.name] for b in layout.slots})
-    except Exception:
-        tensors.clear()
-        for allocation in opened:
+    except BaseException:
+        for allocation in opened:  # nothing kept by a failed registration
             allocation.close()
         raise
     return buffers, opened
@@ -100,13 +131,21 @@ def _open_cuda(layout: Layout, locations: Sequence[pb.BufferLocation],
     return tensors
 
 
+def _no_handover(ticket: bytes) -> mmap.mmap:
+    raise InvalidArgument("this daemon takes no shared-memory buffers")
+
+
 class WorkerRegistry:
     def __init__(self, max_workers: int, quiesce: Callable[[WorkerBuffers], None],
-                 secret: bytes | None = None, max_per_tenant: int = 0) -> None:
+                 secret: bytes | None = None, max_per_tenant: int = 0,
+                 limits: Limits = Limits(),
+                 redeem: Callable[[bytes], mmap.mmap] = _no_handover) -> None:
         self.max_workers = max_workers
         self.max_per_tenant = max_per_tenant  # 0: no limit beyond max_workers
-        self._secret = secret  # masks keys per tenant (tiercache.tenancy); None: no masks
+        self.limits = limits
+        self._secret = secret  # masks keys per namespace (tiercache.tenancy); None: no masks
         self._quiesce = quiesce  # returns once no copy touches these buffers
+        self._redeem = redeem  # the mapping a shared-memory ticket stands for
         self._workers: dict[str, Registration] = {}
         self._changed = threading.Condition()
 
@@ -128,8 +167,9 @@ class WorkerRegistry:
         namespace = Namespace(request.model_id, layout.fingerprint, identity.tenant,
                               tuple(request.extra_keys), hash_name or request.hash or "xxh3_128")
         root = namespace.root()  # checks the namespace before any buffer is mapped
+        check_layout(layout, self.limits)
         self._check_room(identity.tenant)
-        buffers, opened = map_buffers(layout, request.buffers)
+        buffers, opened = map_buffers(layout, request.buffers, self.limits, self._redeem)
         mask = None if self._secret is None else tenancy.namespace_mask(self._secret, root)
         registration = Registration(secrets.token_hex(12), namespace, root, buffers, opened,
                                     identity=identity, mask=mask)

@@ -600,5 +600,7 @@ class Engine:
             counters["checksum_failures"] = self.disk.checksum_failures if self.disk else 0
             counters["disk_moved_aside"] = int(self.disk is not None and self.disk.moved_aside is not None)
             counters["collisions"] = self.index.collisions
+            counters["foreign_entries"] = self.index.foreign
+            counters["disk_write_errors"] = self.disk.write_errors if self.disk else 0
             alpha = getattr(self.tiers.policy, "alpha", None)
             return EngineStats(tuple(tiers), counters, alpha)
