@@ -32,7 +32,7 @@ import grpc
 
 from service.auth import Authenticator
 from tiercache.errors import DeadlineExceeded, ResourceExhausted, TiercacheError
-from tiercache.wire import status_of
+from tiercache.wire import details_of, status_of
 
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
 HEALTH_CALLS = 32
@@ -99,7 +99,7 @@ class _Watchdog:
 
 
 def _abort(context: grpc.ServicerContext, error: TiercacheError) -> None:
-    context.abort(status_of(error), str(error))
+    context.abort(status_of(error), details_of(error))
 
 
 class CallGate(grpc.ServerInterceptor):

@@ -4,8 +4,10 @@ one where workers pass sealed memfds (SCM_RIGHTS) and get tickets to register th
 Each connection is served by a thread of its own with a short timeout, at most
 `MAX_CONNECTIONS` at a time, so a worker that connects and sends nothing delays nobody.
 A descriptor is mapped and closed at once (no descriptor is kept per buffer); the mapping
-waits under its ticket until a registration redeems it, or `TICKET_SECONDS` pass. At
-most `MAX_TICKETS` wait at a time: a worker cannot pile up mappings it never registers.
+waits under its ticket until a registration redeems it (a registration that fails drops
+the tickets it named), or `TICKET_SECONDS` pass. At most `MAX_TICKETS` wait at a time,
+`MAX_TICKETS_PER_PROCESS` of one process: a worker cannot pile up mappings it never
+registers, nor keep other workers from handing theirs over.
 The socket is created 0600 like the gRPC one, and SO_PEERCRED names who handed what over
 in the log.
 """
@@ -28,6 +30,7 @@ from tiercache.errors import InvalidArgument, NotFound, ResourceExhausted, Tierc
 log = logging.getLogger("tiercache.service")
 MAX_CONNECTIONS = 16
 MAX_TICKETS = 64
+MAX_TICKETS_PER_PROCESS = 8
 TICKET_SECONDS = 60.0
 CONNECTION_SECONDS = 5.0
 MAX_OBJECT_BYTES = 1 << 40
@@ -81,6 +84,11 @@ class Handover:
             os.unlink(self.path)
         with self._lock:
             self._tickets.clear()
+
+    def discard(self, ticket: bytes) -> None:
+        """Forget a ticket a failed registration named (if it is one)."""
+        with self._lock:
+            self._tickets.pop(bytes(ticket), None)
 
     def redeem(self, ticket: bytes) -> mmap.mmap:
         """The mapping a ticket stands for; each ticket is good for one registration."""
@@ -136,9 +144,11 @@ class Handover:
         ticket = secrets.token_bytes(shm.TICKET_BYTES)
         with self._lock:
             self._expire()
-            if len(self._tickets) >= MAX_TICKETS:
-                raise ResourceExhausted(f"{MAX_TICKETS} handovers wait for their registration: "
-                                        "register the buffers handed over first")
+            mine = sum(o.pid == pid for o in self._tickets.values())
+            if len(self._tickets) >= MAX_TICKETS or mine >= MAX_TICKETS_PER_PROCESS:
+                raise ResourceExhausted(f"{mine} handovers of this process ({len(self._tickets)} "
+                                        "in all) wait for their registration: register the "
+                                        "buffers handed over first")
             self._tickets[ticket] = _Offered(mapping, pid)
         return ticket
 

@@ -106,7 +106,7 @@ def start(config: ServiceConfig) -> Daemon:
     handover = Handover(handover_path(config.socket_path)).start()
     registry = WorkerRegistry(config.max_workers, engine.quiesce, secret,
                               config.max_workers_per_tenant,
-                              Limits(min_entry_bytes=config.min_entry_bytes), handover.redeem)
+                              Limits(min_entry_bytes=config.min_entry_bytes), handover)
     servicer = TiercacheServicer(engine, registry, config.max_prompt_pages, auth)
     metrics, call_metrics = registry_for(engine, registry.__len__, registry.ipc_allocations)
     gate = CallGate(auth, GateConfig(config.max_concurrent_rpcs, config.max_calls_per_tenant,

@@ -9,7 +9,7 @@ import secrets
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +44,10 @@ class Registration:
     def engine_keys(self, keys: np.ndarray) -> np.ndarray:
         """The keys a worker sent, as the engine stores them for its namespace."""
         return keys if self.mask is None else tenancy.masked(keys, self.mask)
+
+
+_MAX_ID = 512  # characters of a model id or an extra key
+_MAX_EXTRA = 64  # extra keys of one registration
 
 
 @dataclass(frozen=True)
@@ -131,21 +135,31 @@ def _open_cuda(layout: Layout, locations: Sequence[pb.BufferLocation],
     return tensors
 
 
-def _no_handover(ticket: bytes) -> mmap.mmap:
-    raise InvalidArgument("this daemon takes no shared-memory buffers")
+class NoHandover:
+    """For registries without shared memory (GPU-only or in-process tests)."""
+
+    def redeem(self, ticket: bytes) -> mmap.mmap:
+        raise InvalidArgument("this daemon takes no shared-memory buffers")
+
+    def discard(self, ticket: bytes) -> None:
+        pass
+
+
+class Tickets(Protocol):
+    def redeem(self, ticket: bytes) -> mmap.mmap: ...
+    def discard(self, ticket: bytes) -> None: ...
 
 
 class WorkerRegistry:
     def __init__(self, max_workers: int, quiesce: Callable[[WorkerBuffers], None],
                  secret: bytes | None = None, max_per_tenant: int = 0,
-                 limits: Limits = Limits(),
-                 redeem: Callable[[bytes], mmap.mmap] = _no_handover) -> None:
+                 limits: Limits = Limits(), tickets: Tickets = NoHandover()) -> None:
         self.max_workers = max_workers
         self.max_per_tenant = max_per_tenant  # 0: no limit beyond max_workers
         self.limits = limits
         self._secret = secret  # masks keys per namespace (tiercache.tenancy); None: no masks
         self._quiesce = quiesce  # returns once no copy touches these buffers
-        self._redeem = redeem  # the mapping a shared-memory ticket stands for
+        self._tickets = tickets  # the mappings shared-memory tickets stand for
         self._workers: dict[str, Registration] = {}
         self._changed = threading.Condition()
 
@@ -160,16 +174,30 @@ class WorkerRegistry:
     def add(self, request: pb.RegisterRequest, identity: Identity = Identity("", "anyone"),
             hash_name: str = "") -> Registration:
         """Register a worker of `identity`'s tenant; `hash_name`, if given, overrides the
-        page hash the worker asked for (the reply tells it which to use)."""
+        page hash the worker asked for (the reply tells it which to use). A registration
+        that fails keeps nothing: no mapping, no CUDA allocation, no ticket it named."""
+        try:
+            return self._add(request, identity, hash_name)
+        except BaseException:
+            for location in request.buffers:
+                if location.HasField("shm"):
+                    self._tickets.discard(location.shm.ticket)
+            raise
+
+    def _add(self, request: pb.RegisterRequest, identity: Identity, hash_name: str) -> Registration:
         if not request.model_id:
             raise InvalidArgument("model_id is empty: name the model whose bytes these are")
+        if len(request.model_id) > _MAX_ID or len(request.extra_keys) > _MAX_EXTRA or any(
+                len(extra) > _MAX_ID for extra in request.extra_keys):
+            raise InvalidArgument(f"model_id and each extra key take at most {_MAX_ID} characters, "
+                                  f"and a worker at most {_MAX_EXTRA} extra keys: hash long ones")
         layout = layout_from_proto(request.layout)
         namespace = Namespace(request.model_id, layout.fingerprint, identity.tenant,
                               tuple(request.extra_keys), hash_name or request.hash or "xxh3_128")
         root = namespace.root()  # checks the namespace before any buffer is mapped
         check_layout(layout, self.limits)
         self._check_room(identity.tenant)
-        buffers, opened = map_buffers(layout, request.buffers, self.limits, self._redeem)
+        buffers, opened = map_buffers(layout, request.buffers, self.limits, self._tickets.redeem)
         mask = None if self._secret is None else tenancy.namespace_mask(self._secret, root)
         registration = Registration(secrets.token_hex(12), namespace, root, buffers, opened,
                                     identity=identity, mask=mask)

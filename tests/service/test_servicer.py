@@ -50,7 +50,7 @@ class Context:
 def served(tmp_path):
     engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=1 << 24)))
     handover = Handover(str(tmp_path / "fds")).start()  # the real handover, on a real socket
-    servicer = TiercacheServicer(engine, WorkerRegistry(4, engine.quiesce, redeem=handover.redeem),
+    servicer = TiercacheServicer(engine, WorkerRegistry(4, engine.quiesce, tickets=handover),
                                  max_prompt_pages=1000)
     shared = SharedBuffers.create(LAYOUT)
     ticket = shared.hand_over(handover.path)
