@@ -15,7 +15,7 @@ in the log.
 from __future__ import annotations
 
 import logging
-import mmap
+import ctypes
 import os
 import secrets
 import socket
@@ -38,7 +38,7 @@ MAX_OBJECT_BYTES = 1 << 40
 
 @dataclass
 class _Offered:
-    mapping: mmap.mmap
+    mapping: ctypes.Array
     pid: int
     since: float = field(default_factory=time.monotonic)
 
@@ -90,7 +90,7 @@ class Handover:
         with self._lock:
             self._tickets.pop(bytes(ticket), None)
 
-    def redeem(self, ticket: bytes) -> mmap.mmap:
+    def redeem(self, ticket: bytes) -> ctypes.Array:
         """The mapping a ticket stands for; each ticket is good for one registration."""
         with self._lock:
             self._expire()

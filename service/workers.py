@@ -4,7 +4,7 @@ using it, so no copy ever runs on an unmapped buffer."""
 
 from __future__ import annotations
 
-import mmap
+import ctypes
 import secrets
 import threading
 from contextlib import contextmanager
@@ -72,7 +72,7 @@ def check_layout(layout: Layout, limits: Limits) -> None:
 
 
 def map_buffers(layout: Layout, locations: Sequence[pb.BufferLocation], limits: Limits,
-                redeem: Callable[[bytes], mmap.mmap]
+                redeem: Callable[[bytes], ctypes.Array]
                 ) -> tuple[WorkerBuffers, list[cuda_ipc.Opened]]:
     """The daemon's tensors over a worker's buffers, checked against its layout, and the
     CUDA allocations it opened for them (to close when the worker goes). Shared-memory
@@ -138,7 +138,7 @@ def _open_cuda(layout: Layout, locations: Sequence[pb.BufferLocation],
 class NoHandover:
     """For registries without shared memory (GPU-only or in-process tests)."""
 
-    def redeem(self, ticket: bytes) -> mmap.mmap:
+    def redeem(self, ticket: bytes) -> ctypes.Array:
         raise InvalidArgument("this daemon takes no shared-memory buffers")
 
     def discard(self, ticket: bytes) -> None:
@@ -146,7 +146,7 @@ class NoHandover:
 
 
 class Tickets(Protocol):
-    def redeem(self, ticket: bytes) -> mmap.mmap: ...
+    def redeem(self, ticket: bytes) -> ctypes.Array: ...
     def discard(self, ticket: bytes) -> None: ...
 
 

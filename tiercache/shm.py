@@ -17,11 +17,13 @@ The handover protocol, both ends:
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
 import socket
 import stat
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +38,27 @@ _ALIGN = 4096
 _REPLY_BYTES = 512
 
 
-def _tensor(mapping: mmap.mmap, spec: BufferSpec, offset: int) -> torch.Tensor:
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_shared(fd: int, size: int) -> ctypes.Array:
+    """`size` bytes of `fd` mapped shared and writable, as a buffer that unmaps itself when
+    its last user (the tensors viewing it) is gone. Unlike mmap.mmap, it keeps no copy of
+    the descriptor: the caller closes `fd`, and a registration holds no descriptor."""
+    address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address in (None, _MAP_FAILED):
+        raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed: {os.strerror(ctypes.get_errno())}")
+    mapping = (ctypes.c_uint8 * size).from_address(address)
+    weakref.finalize(mapping, _libc.munmap, address, size)
+    return mapping
+
+
+def _tensor(mapping: ctypes.Array, spec: BufferSpec, offset: int) -> torch.Tensor:
     nbytes = spec.rows * spec.row_bytes
     raw = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
     return raw.view(getattr(torch, spec.dtype)).view(spec.shape)
@@ -66,7 +88,7 @@ def plan(layout: Layout) -> tuple[list[Placement], int]:
 class SharedBuffers:
     """The worker's side: a sealed memfd holding the layout's buffers, as tensors."""
 
-    def __init__(self, fd: int, mapping: mmap.mmap, placements: list[Placement]) -> None:
+    def __init__(self, fd: int, mapping: ctypes.Array, placements: list[Placement]) -> None:
         self.fd: int | None = fd  # kept until handed over
         self.placements = placements
         self._mapping = mapping
@@ -79,7 +101,7 @@ class SharedBuffers:
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
-            mapping = mmap.mmap(fd, size)
+            mapping = map_shared(fd, size)
         except BaseException:
             os.close(fd)
             raise
@@ -134,7 +156,7 @@ def _read_reply(conn: socket.socket) -> bytes:
     return reply
 
 
-def map_sealed(fd: int, max_bytes: int) -> mmap.mmap:
+def map_sealed(fd: int, max_bytes: int) -> ctypes.Array:
     """The daemon's end: map a descriptor a worker sent, if it is a sealed memfd of a sane
     size (raises InvalidArgument otherwise). The caller closes `fd`; the mapping stays."""
     info = os.fstat(fd)
@@ -151,10 +173,10 @@ def map_sealed(fd: int, max_bytes: int) -> mmap.mmap:
                               "F_SEAL_SHRINK | F_SEAL_GROW before handing it over")
     if not 0 < info.st_size <= max_bytes:
         raise InvalidArgument(f"the memfd holds {info.st_size} bytes: give 1 to {max_bytes}")
-    return mmap.mmap(fd, info.st_size)
+    return map_shared(fd, info.st_size)
 
 
-def attach(layout: Layout, where: dict[str, tuple[mmap.mmap, int]]) -> dict[str, torch.Tensor]:
+def attach(layout: Layout, where: dict[str, tuple[ctypes.Array, int]]) -> dict[str, torch.Tensor]:
     """The daemon's side: view every buffer of `layout` at its (mapping, offset) in `where`."""
     tensors = {}
     for spec in (*layout.paged, *layout.slots):
