@@ -10,7 +10,7 @@ from tiercache.layout import Layout
 from tiercache.policy import AdmissionConfig, PolicyConfig
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
-from tests.tiercache.helpers import (hybrid_layout, page_bytes, prompt_keys, random_buffers, same,
+from drills.worlds import (hybrid_layout, page_bytes, prompt_keys, random_buffers, same,
                                      slot_bytes)
 from tests.tiercache.tiers.test_disk import flip_byte
 

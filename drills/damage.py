@@ -22,8 +22,8 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from tests.reliability import keyed
-from tests.tiercache.helpers import hybrid_layout, prompt_keys, random_buffers
+from drills import keyed
+from drills.worlds import hybrid_layout, prompt_keys, random_buffers
 from tiercache.engine import Engine, EngineConfig
 from tiercache.policy import PolicyConfig, WriteConfig
 from tiercache.tiers.disk import DiskConfig

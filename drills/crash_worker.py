@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from tests.reliability import keyed, prompts
+from drills import keyed, prompts
 from tiercache.client import Client
 from tiercache.errors import TiercacheError
 
