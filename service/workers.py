@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from service.auth import Identity
+from service.groups import Membership, member_keys, membership_of
 from tiercache import cuda_ipc, shm, tenancy
 from tiercache.buffers import WorkerBuffers
 from tiercache.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
@@ -34,6 +35,7 @@ class Registration:
     gone: threading.Event = field(default_factory=threading.Event)
     identity: Identity = Identity("", "anyone")  # who registered: every call must be them
     mask: np.ndarray | None = None  # the tenant's key mask (tiercache.tenancy), if any
+    group: Membership | None = None  # the group it is a rank of (service.groups), if any
 
     @property
     def layout(self) -> Layout:
@@ -113,6 +115,9 @@ class WorkerRegistry:
     def __len__(self) -> int:
         return len(self._workers)
 
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._workers
+
     def ipc_allocations(self) -> int:
         """CUDA allocations of workers that the daemon holds open now."""
         with self._changed:
@@ -128,11 +133,14 @@ class WorkerRegistry:
         namespace = Namespace(request.model_id, layout.fingerprint, identity.tenant,
                               tuple(request.extra_keys), hash_name or request.hash or "xxh3_128")
         root = namespace.root()  # checks the namespace before any buffer is mapped
+        membership = membership_of(request)
         self._check_room(identity.tenant)
         buffers, opened = map_buffers(layout, request.buffers)
         mask = None if self._secret is None else tenancy.tenant_mask(self._secret, identity.tenant)
+        if membership is not None:  # the group's root; its own namespace keeps entries apart
+            root, mask = member_keys(namespace, mask)
         registration = Registration(secrets.token_hex(12), namespace, root, buffers, opened,
-                                    identity=identity, mask=mask)
+                                    identity=identity, mask=mask, group=membership)
         with self._changed:
             try:
                 self._check_room(identity.tenant)

@@ -15,7 +15,9 @@ Over TCP, pass `tls=Tls(...)` (and a client certificate for mTLS); where the dae
 tokens to tenants, pass `token=`: it goes with every call as `authorization: Bearer`.
 
 GPU workers pass their own CUDA tensors to `register(..., buffers=...)`; the daemon maps
-them by CUDA IPC. Their copies are ordered with the worker's current CUDA stream in both
+them by CUDA IPC. CPU workers may do the same with views into a `shared_region` of theirs.
+The ranks of a tensor-parallel group register with `group=GroupMember(...)` and match as
+one (tiercache.group). Their copies are ordered with the worker's current CUDA stream in both
 directions, without host synchronisation: the daemon starts after an event recorded on
 that stream, and a load returns at once with the stream already waiting on the event
 that marks the bytes in place (pass `synchronous=True` to wait on the host instead).
@@ -34,9 +36,11 @@ import torch
 from tiercache.buffers import WorkerBuffers
 from tiercache.engine import Engine, EngineConfig, LoadResult, StoreResult, TierStats
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
+from tiercache.group import Group, GroupMember
 from tiercache.hashing import Keys, Namespace, PageKey, key_array, page_chain, page_keys
 from tiercache.index import Match, Tier
 from tiercache.layout import Layout
+from tiercache.regions import SharedRegion, region_locations
 from tiercache.shm import SharedBuffers
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
@@ -88,7 +92,7 @@ class Backend(Protocol):
     def match(self, prompt: Request, prefetch: bool) -> Match: ...
     def load(self, prompt: Request, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult: ...
     def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
-              durable: bool) -> StoreResult: ...
+              durable: bool, ready: Any = None) -> StoreResult: ...
     def evict(self, prompt: Request, tier: Tier | None) -> int: ...
     def connected(self) -> bool: ...
     def close(self) -> None: ...
@@ -128,17 +132,20 @@ class Worker:
         return self._backend.load(self._packed(tokens, keys), list(kv_rows), slot, synchronous)
 
     def store(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
-              checkpoints: Mapping[int, int] | None = None, durable: bool = False) -> StoreResult:
+              checkpoints: Mapping[int, int] | None = None, durable: bool = False,
+              ready: Any = None) -> StoreResult:
         """Store the prompt's pages from kv_rows and the checkpoints offered, {token position:
         state slot}, each position a multiple of the page size. With `durable`, return only
-        once they are committed to disk (they survive the daemon crashing)."""
+        once they are committed to disk (they survive the daemon crashing). GPU workers
+        may pass `ready`, an interprocess CUDA event recorded after the rows were written
+        (a store from another thread); by default one is recorded on the current stream."""
         page = self.layout.page_tokens
         bad = [p for p in (checkpoints or {}) if p <= 0 or p % page]
         if bad:
             raise InvalidArgument(f"checkpoint position {bad[0]} is not a positive multiple of the "
                                   f"page size {page}: states are kept at page boundaries only")
         pages = {p // page: slot for p, slot in (checkpoints or {}).items()}
-        return self._backend.store(self._packed(tokens, keys), list(kv_rows), pages, durable)
+        return self._backend.store(self._packed(tokens, keys), list(kv_rows), pages, durable, ready)
 
     def evict(self, tokens: Any = None, *, keys: Keys | None = None, tier: Tier | None = None) -> int:
         return self._backend.evict(self._packed(tokens, keys), tier)
@@ -204,8 +211,8 @@ class _Remote:
         return result
 
     def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
-              durable: bool) -> StoreResult:
-        ready = _ready_event(self._device)
+              durable: bool, ready: Any = None) -> StoreResult:
+        ready = ready if ready is not None else _ready_event(self._device)
         request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
                                   kv_rows=rows, durable=durable,
                                   ready_event=ready.ipc_handle() if ready else b"",
@@ -243,14 +250,25 @@ class Client:
         self._channel = (grpc.secure_channel(self.address, tls.credentials(), options)
                          if tls is not None else grpc.insecure_channel(self.address, options))
         self._stub = pb_grpc.TiercacheStub(self._channel)
+        self._regions: list[SharedRegion] = []
+
+    def shared_region(self, nbytes: int) -> torch.Tensor:
+        """A zeroed uint8 CPU tensor in shared memory, kept until `close`: CPU buffers of
+        several registrations that must overlap are views into one region."""
+        region = SharedRegion(nbytes)
+        self._regions.append(region)
+        return region.tensor
 
     def register(self, model_id: str, layout: Layout, extra_keys: Sequence[str] = (),
-                 hash_name: str = "xxh3_128",
-                 buffers: Mapping[str, torch.Tensor] | None = None) -> Worker:
+                 hash_name: str = "xxh3_128", buffers: Mapping[str, torch.Tensor] | None = None,
+                 group: GroupMember | None = None) -> Worker:
         """Register a worker. Without `buffers`, the layout's buffers are allocated in
-        shared memory (worker.paged / worker.slots); GPU workers pass their CUDA tensors."""
+        shared memory (worker.paged / worker.slots); GPU workers pass their CUDA tensors,
+        CPU workers views into a `shared_region`. With `group`, this is one rank of it."""
         shared, device = None, None
-        if buffers is None:
+        if buffers is not None and all(t.device.type == "cpu" for t in buffers.values()):
+            tensors, locations = dict(buffers), region_locations(buffers, self._regions)
+        elif buffers is None:
             shared = SharedBuffers.create(layout)
             tensors = shared.tensors
             locations = [pb.BufferLocation(name=p.spec.name, nbytes=p.nbytes,
@@ -260,7 +278,8 @@ class Client:
             tensors, locations = dict(buffers), _cuda_locations(buffers)
             device = next(iter(tensors.values())).device
         request = pb.RegisterRequest(model_id=model_id, layout=layout_to_proto(layout),
-                                     extra_keys=extra_keys, hash=hash_name, buffers=locations)
+                                     extra_keys=extra_keys, hash=hash_name, buffers=locations,
+                                     group=group.to_proto() if group is not None else None)
         try:
             stream: Iterator[pb.RegisterResponse] = self._stub.Register(request,
                                                                       metadata=self._metadata)
@@ -275,6 +294,12 @@ class Client:
                           self._metadata)
         return Worker(backend, layout, PageKey(reply.namespace_root), reply.hash, tensors)
 
+    def group(self, group_id: str, timeout: float | None = None) -> Group:
+        """The group `group_id` as the daemon describes it now (NotFound before any rank
+        registered), for matching on behalf of all its ranks."""
+        return Group(self._stub, group_id, self.timeout if timeout is None else timeout,
+                     self._metadata)
+
     def stats(self) -> CacheStats:
         reply = _rpc(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout,
                                               metadata=self._metadata))
@@ -283,6 +308,9 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+        for region in self._regions:
+            region.close()
+        self._regions.clear()
 
 
 def _cuda_locations(buffers: Mapping[str, torch.Tensor]) -> list[pb.BufferLocation]:
@@ -322,10 +350,11 @@ class _Embedded:
         return result
 
     def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
-              durable: bool) -> StoreResult:
+              durable: bool, ready: Any = None) -> StoreResult:
         device = self._buffers.device if self._buffers.device.type == "cuda" else None
+        ready = ready if ready is not None else _ready_event(device)
         return self._engine.store(self._buffers, prompt.keys, rows, checkpoints,
-                                  ready=_ready_event(device), checks=_checks(prompt),
+                                  ready=ready, checks=_checks(prompt),
                                   durable=durable)
 
     def evict(self, prompt: Request, tier: Tier | None) -> int:

@@ -27,6 +27,7 @@ from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from tiercache.hashing import Keys, key_array
 from tiercache.index import Hit, Index, Kind, Match, StopReason, Tier
+from tiercache.joint import Member, joint_hit
 from tiercache.keymap import KeyMap
 from tiercache.layout import Layout
 from tiercache.metrics import Traffic, byte_counters, count_match, match_counters
@@ -482,6 +483,26 @@ class Engine:
             self.counters["matches"] += 1
             self.counters["matched_pages"] += hit.match.pages
             count_match(self.counters, hit.match, layout.page_tokens)
+            if prefetch and hit.match.pages:
+                self.counters["prefetches"] += self.moving.start_promotion(hit.rows)
+            return hit.match
+
+    def match_group(self, members: Sequence[tuple[Layout, Keys]], prefetch: bool = False, *,
+                    checks: np.ndarray | None = None) -> Match:
+        """The longest prefix that every member of a group can load (tiercache.joint):
+        each member's layout and its keys for the same prompt (same page size)."""
+        with self._lock:
+            self._check_open()
+            self.moving.reap()
+            self.index.tick()
+            parts = [Member(key_array(keys), layout.needs_pages, layout.needs_checkpoint)
+                     for layout, keys in members]
+            page_tokens = members[0][0].page_tokens
+            hit = joint_hit(self.index, parts, page_tokens, _checks(checks, parts[0].keys))
+            self.index.touch(hit.rows)
+            self.counters["matches"] += 1
+            self.counters["matched_pages"] += hit.match.pages
+            count_match(self.counters, hit.match, page_tokens)
             if prefetch and hit.match.pages:
                 self.counters["prefetches"] += self.moving.start_promotion(hit.rows)
             return hit.match

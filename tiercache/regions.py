@@ -1,0 +1,67 @@
+"""CPU memory of the worker's own layout, in shared memory the daemon can map.
+
+`Client.register` without buffers lays a layout's buffers out itself, one object per
+registration. Some workers need more freedom: vLLM keeps every KV cache group in one
+backing allocation, and each group is a registration of its own that views the same
+bytes. Such a worker allocates the memory once as a region (`Client.shared_region`),
+builds its tensors as views into it, and registers the views, as a GPU worker does with
+views into one CUDA allocation.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from tiercache.errors import InvalidArgument
+from tiercache.layout import BufferSpec, Layout
+from tiercache.shm import SharedBuffers
+from tiercache.v1 import tiercache_pb2 as pb
+
+
+class SharedRegion:
+    """`nbytes` of zeroed shared memory as a flat uint8 tensor (`tensor`)."""
+
+    def __init__(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise InvalidArgument(f"a shared region needs a positive size, got {nbytes}")
+        layout = Layout(1, paged=(BufferSpec("region", 1, (nbytes,), "uint8"),))
+        self._shared = SharedBuffers.create(layout, prefix="tiercache-region")
+        self.name = self._shared.name  # the object the daemon maps
+        self._offset = self._shared.placements[0].offset
+        self.tensor = self._shared.tensors["region"].view(-1)
+
+    def offset_of(self, tensor: torch.Tensor) -> int | None:
+        """Where a contiguous view into this region starts in the shared object, or None
+        if it does not lie wholly inside."""
+        if tensor.device.type != "cpu" or not self.tensor.numel():
+            return None
+        start = tensor.data_ptr() - self.tensor.data_ptr()
+        nbytes = tensor.numel() * tensor.element_size()
+        if start < 0 or start + nbytes > self.tensor.numel():
+            return None
+        return self._offset + start
+
+    def close(self) -> None:
+        """Unlink the object; the memory goes with the last mapping of it."""
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        self._shared.close()
+
+
+def region_locations(buffers: Mapping[str, torch.Tensor],
+                     regions: Sequence[SharedRegion]) -> list[pb.BufferLocation]:
+    """Where the daemon finds each buffer: CPU tensors that view the caller's regions."""
+    locations = []
+    for name, tensor in buffers.items():
+        offsets = [(r, r.offset_of(tensor)) for r in regions if tensor.is_contiguous()]
+        found = [(r, at) for r, at in offsets if at is not None]
+        if not found:
+            raise InvalidArgument(f"CPU buffer {name!r} is not a contiguous view into a region of "
+                                  "this client: allocate it with Client.shared_region, or "
+                                  "register without buffers")
+        region, offset = found[0]
+        nbytes = tensor.numel() * tensor.element_size()
+        locations.append(pb.BufferLocation(name=name, nbytes=nbytes, shm=pb.SharedMemoryBuffer(
+            name=region.name, offset=offset)))
+    return locations
