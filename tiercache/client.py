@@ -37,7 +37,7 @@ from tiercache.buffers import WorkerBuffers
 from tiercache.engine import Engine, EngineConfig, LoadResult, StoreResult, TierStats
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
 from tiercache.group import Group, GroupMember
-from tiercache.hashing import Keys, Namespace, PageKey, key_array, page_chain, page_keys
+from tiercache.hashing import Chain, Keys, Namespace, PageKey, key_array, page_chain, page_keys
 from tiercache.index import Match, Tier
 from tiercache.layout import Layout
 from tiercache.regions import SharedRegion, region_locations
@@ -114,24 +114,27 @@ class Worker:
         """The page keys of a prompt in this worker's namespace (full pages only)."""
         return page_keys(tokens, self.root, self.layout.page_tokens, self.hash_name)
 
-    def _packed(self, tokens: Any, keys: Keys | None) -> Request:
+    def _packed(self, tokens: Any, keys: Keys | Chain | None) -> Request:
         if (tokens is None) == (keys is None):
             raise InvalidArgument("give either tokens or keys")
+        if isinstance(keys, Chain):  # keys hashed elsewhere, with their checks
+            return Request(key_array(keys.keys).tobytes(), keys.checks.astype("<u8").tobytes())
         if keys is not None:
             return Request(key_array(keys).tobytes())
         chain = page_chain(tokens, self.root, self.layout.page_tokens, self.hash_name)
         return Request(key_array(chain.keys).tobytes(), chain.checks.astype("<u8").tobytes())
 
-    def match(self, tokens: Any = None, *, keys: Keys | None = None, prefetch: bool = False) -> Match:
+    def match(self, tokens: Any = None, *, keys: Keys | Chain | None = None,
+              prefetch: bool = False) -> Match:
         return self._backend.match(self._packed(tokens, keys), prefetch)
 
-    def load(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
+    def load(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
              slot: int | None = None, synchronous: bool = False) -> LoadResult:
         """Copy the longest hybrid match (at most len(kv_rows) pages) into kv_rows and slot.
         On a GPU the current stream is made to wait for the copies (see the module doc)."""
         return self._backend.load(self._packed(tokens, keys), list(kv_rows), slot, synchronous)
 
-    def store(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
+    def store(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
               checkpoints: Mapping[int, int] | None = None, durable: bool = False,
               ready: Any = None) -> StoreResult:
         """Store the prompt's pages from kv_rows and the checkpoints offered, {token position:
@@ -147,7 +150,8 @@ class Worker:
         pages = {p // page: slot for p, slot in (checkpoints or {}).items()}
         return self._backend.store(self._packed(tokens, keys), list(kv_rows), pages, durable, ready)
 
-    def evict(self, tokens: Any = None, *, keys: Keys | None = None, tier: Tier | None = None) -> int:
+    def evict(self, tokens: Any = None, *, keys: Keys | Chain | None = None,
+              tier: Tier | None = None) -> int:
         return self._backend.evict(self._packed(tokens, keys), tier)
 
     @property
@@ -267,7 +271,7 @@ class Client:
         CPU workers views into a `shared_region`. With `group`, this is one rank of it."""
         shared, device = None, None
         if buffers is not None and all(t.device.type == "cpu" for t in buffers.values()):
-            tensors, locations = dict(buffers), region_locations(buffers, self._regions)
+            tensors, locations = dict(buffers), region_locations(buffers)
         elif buffers is None:
             shared = SharedBuffers.create(layout)
             tensors = shared.tensors

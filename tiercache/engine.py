@@ -546,7 +546,9 @@ class Engine:
                 self.index.pin(hit.rows)
             transfer = self._transfer_for(buffers)
             transfer.wait_for(ready, "load")
-            moves = [(_pages(buffers, transfer), hit.page_rows, dst[:hit.match.pages])]
+            moves = []  # a layout without paged buffers moves its checkpoint only
+            if layout.needs_pages:
+                moves.append((_pages(buffers, transfer), hit.page_rows, dst[:hit.match.pages]))
             if hit.checkpoint_row is not None:
                 moves.append((_checkpoints(buffers, transfer), np.array([hit.checkpoint_row]),
                               dst_slot))

@@ -18,7 +18,7 @@ from typing import Any, Callable, TypeVar
 import grpc
 
 from tiercache.errors import InvalidArgument
-from tiercache.hashing import Keys, PageKey, key_array, page_chain, page_keys
+from tiercache.hashing import Chain, Keys, PageKey, key_array, page_chain, page_keys
 from tiercache.index import Match
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
@@ -78,17 +78,22 @@ class Group:
         """The page keys of a prompt from the group's root (full pages only)."""
         return page_keys(tokens, self.root, self.page_tokens, self.hash_name)
 
-    def match(self, tokens: Any = None, *, keys: Keys | None = None,
+    def chain(self, tokens: Any) -> Chain:
+        """The page keys and checks of a prompt from the group's root."""
+        return page_chain(tokens, self.root, self.page_tokens, self.hash_name)
+
+    def match(self, tokens: Any = None, *, keys: Keys | Chain | None = None,
               prefetch: bool = False) -> Match:
         """The longest prefix every rank can load now (GROUP_INCOMPLETE, 0 pages, while a
-        rank is missing). Given tokens, each page's check goes along (a collision misses)."""
+        rank is missing). Given tokens or a Chain, each page's check goes along (a key
+        collision misses)."""
         if (tokens is None) == (keys is None):
             raise InvalidArgument("give either tokens or keys")
-        if keys is not None:
-            packed, checks = key_array(keys).tobytes(), b""
+        if tokens is not None:
+            keys = self.chain(tokens)
+        if isinstance(keys, Chain):
+            packed, checks = key_array(keys.keys).tobytes(), keys.checks.astype("<u8").tobytes()
         else:
-            chain = page_chain(tokens, self.root, self.page_tokens, self.hash_name)
-            packed = key_array(chain.keys).tobytes()
-            checks = chain.checks.astype("<u8").tobytes()
+            packed, checks = key_array(keys).tobytes(), b""
         request = pb.MatchRequest(group=self.id, keys=packed, checks=checks, prefetch=prefetch)
         return match_from_proto(_rpc(lambda: self._stub.Match(request, **self._call)).match)

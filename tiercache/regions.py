@@ -5,12 +5,14 @@ registration. Some workers need more freedom: vLLM keeps every KV cache group in
 backing allocation, and each group is a registration of its own that views the same
 bytes. Such a worker allocates the memory once as a region (`Client.shared_region`),
 builds its tensors as views into it, and registers the views, as a GPU worker does with
-views into one CUDA allocation.
+views into one CUDA allocation. Any client of the process can register views into a
+live region; the client that made it unlinks it when it closes.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import threading
+from typing import Mapping
 
 import torch
 
@@ -31,6 +33,8 @@ class SharedRegion:
         self.name = self._shared.name  # the object the daemon maps
         self._offset = self._shared.placements[0].offset
         self.tensor = self._shared.tensors["region"].view(-1)
+        with _LOCK:
+            _LIVE.append(self)
 
     def offset_of(self, tensor: torch.Tensor) -> int | None:
         """Where a contiguous view into this region starts in the shared object, or None
@@ -45,21 +49,29 @@ class SharedRegion:
 
     def close(self) -> None:
         """Unlink the object; the memory goes with the last mapping of it."""
+        with _LOCK:
+            if self in _LIVE:
+                _LIVE.remove(self)
         self.tensor = torch.empty(0, dtype=torch.uint8)
         self._shared.close()
 
 
-def region_locations(buffers: Mapping[str, torch.Tensor],
-                     regions: Sequence[SharedRegion]) -> list[pb.BufferLocation]:
-    """Where the daemon finds each buffer: CPU tensors that view the caller's regions."""
+_LIVE: list[SharedRegion] = []  # the regions of this process, for region_locations
+_LOCK = threading.Lock()
+
+
+def region_locations(buffers: Mapping[str, torch.Tensor]) -> list[pb.BufferLocation]:
+    """Where the daemon finds each buffer: CPU tensors that view live regions."""
+    with _LOCK:
+        regions = list(_LIVE)
     locations = []
     for name, tensor in buffers.items():
         offsets = [(r, r.offset_of(tensor)) for r in regions if tensor.is_contiguous()]
         found = [(r, at) for r, at in offsets if at is not None]
         if not found:
-            raise InvalidArgument(f"CPU buffer {name!r} is not a contiguous view into a region of "
-                                  "this client: allocate it with Client.shared_region, or "
-                                  "register without buffers")
+            raise InvalidArgument(f"CPU buffer {name!r} is not a contiguous view into a shared "
+                                  "region: allocate it with Client.shared_region, or register "
+                                  "without buffers")
         region, offset = found[0]
         nbytes = tensor.numel() * tensor.element_size()
         locations.append(pb.BufferLocation(name=name, nbytes=nbytes, shm=pb.SharedMemoryBuffer(

@@ -297,3 +297,25 @@ def test_store_takes_pages_and_the_checkpoints_offered_in_one_call(offered, kept
     assert engine.match(LAYOUT, keys).pages == 6
     with pytest.raises(InvalidArgument, match="checkpoint at page 7"):
         engine.store(worker, keys, range(6), checkpoints={7: 0})
+
+
+def test_a_layout_of_states_only_loads_its_checkpoint(tmp_path):
+    # one Mamba group of vLLM as a registration of its own: slot buffers, no KV pages
+    layout = Layout(16, slots=hybrid_layout(slot_rows=8).slots)
+    source, other = random_buffers(layout, seed=1), random_buffers(layout, seed=2)
+    engine = open_engine(tmp_path)
+    keys = prompt_keys(layout, seed=3, pages=6)
+    # the states after 2 and after 6 pages, from slots 1 and 5 (each the end of its store)
+    engine.store(source, keys[:2], checkpoints={2: 1})
+    engine.store(source, keys, checkpoints={6: 5})
+    for tier in (Tier.HOST, Tier.DISK):  # from memory, then from disk alone
+        # asked for 4 pages, the deepest state at or below is the one after 2
+        assert engine.load(other, keys[:4], slot=3).match.pages == 2
+        assert same(slot_bytes(other, 3), slot_bytes(source, 1))
+        assert engine.load(other, keys, slot=0).match.pages == 6
+        assert same(slot_bytes(other, 0), slot_bytes(source, 5))
+        if tier == Tier.HOST:
+            engine.flush()
+            assert engine.evict(None, Tier.HOST) == 2
+            other = random_buffers(layout, seed=4)
+    engine.close()
