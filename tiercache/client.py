@@ -248,7 +248,10 @@ class Client:
         token = token if token is not None else os.environ.get("TIERCACHE_TOKEN", "")
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   # a restarted daemon is found within a second, not gRPC's two minutes
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
         if tls is not None and tls.server_name:
             options.append(("grpc.ssl_target_name_override", tls.server_name))
         self._channel = (grpc.secure_channel(self.address, tls.credentials(), options)

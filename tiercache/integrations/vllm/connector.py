@@ -34,7 +34,7 @@ from tiercache.integrations.vllm.jobs import Jobs, SaveReport
 from tiercache.integrations.vllm.pages import (ATTENTION, MAMBA, CacheGroup, CacheShape,
                                                 Placement, backing_of)
 from tiercache.integrations.vllm.scheduler_side import SchedulerSide
-from tiercache.integrations.vllm.worker_side import BlockMover
+from tiercache.integrations.vllm.worker_side import BlockMover, Registrar
 
 _SOURCES = {Tier.DEVICE: CacheHitSource.DEVICE, Tier.HOST: CacheHitSource.HOST,
             Tier.DISK: CacheHitSource.DISK}
@@ -121,9 +121,11 @@ class TiercacheConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         rank, size = _tp_rank_and_size(self._vllm_config)
-        backing = backing_of(self.shape, kv_caches)
-        self.mover = BlockMover.register(self.config.client(), self.config.model_id, self.shape,
-                                          backing, self.group_id, rank, size, self.extra)
+        registrar = Registrar(self.config.client, self.config.model_id, self.group_id, rank, size,
+                              self.extra)
+        self.mover = BlockMover(registrar, self.shape, backing_of(self.shape, kv_caches),
+                                self.config.retry_after)
+        self.mover.members()  # register now; a daemon that is down is tried again later
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.mover is not None and self.has_connector_metadata():
@@ -139,6 +141,7 @@ class TiercacheConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         if self.mover is None or not self.has_connector_metadata():
             return
+        self.mover.members()  # once a step: registers again after the daemon came back
         saves = self._jobs().saves
         if saves:
             ready = None

@@ -141,6 +141,9 @@ class SchedulerSide:
             log.warning("tiercache lookups pause for %.1f s, vLLM goes on without the cache: %s",
                         self.config.retry_after, error)
         self._retry_at = time.monotonic() + self.config.retry_after
+        if self._client is not None:  # a channel that failed backs off reconnecting: a new one
+            self._client.close()
+        self._client = self._group = None
 
     def _chain(self, tracked: Tracked, pages: int) -> Chain:
         """The request's first `pages` page keys, hashed once and extended as it grows."""
@@ -187,7 +190,7 @@ class SchedulerSide:
         loads, self.loads = tuple(self.loads), []
         state = output.kv_connector_block_state
         saves = []
-        if state is not None and self._group is not None:
+        if state is not None and self._described() is not None:
             offers = state.boundary_state_offloads
             for req_id in state.req_ids | set(offers):
                 tracked = self.requests.get(req_id)
