@@ -3,8 +3,8 @@
 Every member hashes prompts from one root, the group's, so that one process (vLLM's
 scheduler, which has no buffers) can hash a prompt once and ask for the whole group. The
 daemon keeps each member's entries apart by XORing the keys it is sent with the member's
-own namespace root (model, layout fingerprint with its TP rank, tenant, extra keys,
-hash) beside the tenant's mask: the same bytes-are-reusable rule as for a worker on its
+own namespace's mask (model, layout fingerprint with its TP rank, tenant, extra keys,
+hash; tiercache.tenancy): the same bytes-are-reusable rule as for a worker on its
 own, so two engines of one model and layout share entries rank by rank, and no two ranks
 ever share one.
 
@@ -58,11 +58,13 @@ def membership_of(request: pb.RegisterRequest) -> Membership | None:
     return Membership(group.id, int(group.rank), int(group.size))
 
 
-def member_keys(namespace: Namespace, tenant_mask: np.ndarray | None) -> tuple[PageKey, np.ndarray]:
-    """(the root every member hashes from, this member's key mask)."""
+def member_keys(namespace: Namespace, own_mask: np.ndarray | None) -> tuple[PageKey, np.ndarray]:
+    """(the root every member hashes from, this member's key mask): the mask of its own
+    namespace (tiercache.tenancy), or, in a daemon without a secret, its own root."""
     root = replace(namespace, layout_fingerprint=_GROUP_FINGERPRINT).root()
-    mask = np.frombuffer(namespace.root(), "<u8").copy()
-    return root, mask if tenant_mask is None else np.bitwise_xor(mask, tenant_mask)
+    if own_mask is not None:
+        return root, own_mask
+    return root, np.frombuffer(namespace.root(), "<u8").copy()
 
 
 @dataclass

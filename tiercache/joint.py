@@ -32,11 +32,12 @@ class JointHit:
 
 @dataclass(frozen=True)
 class Member:
-    """One member's view of a prompt: its keys (already masked) and what it needs."""
+    """One member's view of a prompt: its keys (already masked) and the sizes of its
+    entries (0: it needs no such entries); entries of other sizes are misses."""
 
     keys: np.ndarray  # uint64 (n, 2)
-    needs_pages: bool
-    needs_checkpoint: bool
+    page_bytes: int
+    checkpoint_bytes: int
 
 
 def joint_hit(index: Index, members: Sequence[Member], page_tokens: int,
@@ -50,13 +51,14 @@ def joint_hit(index: Index, members: Sequence[Member], page_tokens: int,
     limit, usable = count, np.ones(count, bool)
     page_rows, checkpoint_rows = [], []
     for member in members:
-        if member.needs_pages:
-            rows = index.verified(index.rows_of(Kind.PAGE, member.keys), checks)
+        if member.page_bytes:
+            rows = index.usable(index.rows_of(Kind.PAGE, member.keys), member.page_bytes, checks)
             missing = np.flatnonzero(rows < 0)
             limit = min(limit, int(missing[0]) if missing.size else count)
             page_rows.append(rows)
-        if member.needs_checkpoint:
-            rows = index.verified(index.rows_of(Kind.CHECKPOINT, member.keys), checks)
+        if member.checkpoint_bytes:
+            rows = index.usable(index.rows_of(Kind.CHECKPOINT, member.keys),
+                                member.checkpoint_bytes, checks)
             usable &= rows >= 0
             checkpoint_rows.append(rows)
     pages = limit

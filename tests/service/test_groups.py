@@ -36,7 +36,7 @@ def attention(rank: int, size: int) -> Layout:  # KV pages only, as vLLM's atten
 
 
 def mamba(rank: int, size: int) -> Layout:  # states only, as one of vLLM's Mamba groups
-    return Layout(PAGE, slots=(BufferSpec("ssm.state", 16, (6,), "float32"),),
+    return Layout(PAGE, slots=(BufferSpec("ssm.state", 16, (16,), "float32"),),
                   tp_rank=rank, tp_size=size)
 
 
