@@ -61,7 +61,7 @@ class Tracked:
 
 @dataclass
 class Pinned:
-    req_id: str
+    request: Any  # kept for its announcement: it may finish before its saves are done
     blocks: list[int]
     waiting: int  # ranks yet to report the save
     job: SaveJob
@@ -228,7 +228,7 @@ class SchedulerSide:
         tracked.saved = max(tracked.saved, full if kv else 0)
         blocks = job.blocks()
         self.pool.touch([self.pool.blocks[b] for b in blocks])
-        self.pins[job.job_id] = Pinned(job.req_id, blocks, self.ranks, job, first)
+        self.pins[job.job_id] = Pinned(request, blocks, self.ranks, job, first)
         return job
 
     def reported(self, report: SaveReport | None, finished_loading: set[str]) -> None:
@@ -245,9 +245,8 @@ class SchedulerSide:
             del self.pins[job_id]
             # tail first, as vLLM frees: the shared prefix is evicted last
             self.pool.free_blocks(self.pool.blocks[b] for b in reversed(pinned.blocks))
-            tracked = self.requests.get(pinned.req_id)
-            if pinned.ok and tracked is not None:
-                self.events.saved(tracked.request, pinned.job, pinned.first)
+            if pinned.ok:
+                self.events.saved(pinned.request, pinned.job, pinned.first)
 
     # -- requests -----------------------------------------------------------------------
     def track(self, request: Any) -> Tracked:

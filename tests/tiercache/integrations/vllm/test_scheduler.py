@@ -27,10 +27,11 @@ from tiercache.client import Client  # noqa: E402
 from tiercache.index import StopReason  # noqa: E402
 
 
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])  # layer-outer, block-outer
 def test_an_aligned_hit_loads_into_new_blocks_and_the_model_reads_exact_state(
-        daemon, tmp_path, hits):
+        daemon, tmp_path, hits, layout):
     client = Client(daemon)
-    run = engine(vllm_config(tmp_path, daemon), 64, client)
+    run = engine(vllm_config(tmp_path, daemon, layout=layout), 64, client)
     tokens = prompt(1, 87)  # 5 full blocks and 7 tokens
     # request a computes the prompt in chunks; the connector saves KV and offered states
     run.add("a", tokens)
@@ -147,3 +148,55 @@ def wait_for(condition, seconds: float = 10.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_kv_events_announce_what_the_daemon_holds_and_hits_are_split_by_tier(
+        daemon, tmp_path, hits, monkeypatch):
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from tiercache.integrations.vllm.connector import TiercacheConnector
+    run = engine(vllm_config(tmp_path, daemon), 64, Client(daemon))
+    published, sources = [], []
+    monkeypatch.setattr(run.scheduler.kv_event_publisher, "publish",
+                        lambda batch: published.extend(batch.events))
+    real = TiercacheConnector.get_external_cache_hit_sources
+    monkeypatch.setattr(TiercacheConnector, "get_external_cache_hit_sources",
+                        lambda self, r, n: sources.append((r.request_id, real(self, r, n)))
+                        or sources[-1][1])
+    tokens = prompt(50, 87)
+    a = run.add("a", tokens)
+    run.run()
+    hashes = [maybe_convert_block_hash(h) for h in a.block_hashes[:5]]
+    ours = [e for e in published if isinstance(e, BlockStored) and e.medium == "CPU"]
+    # attention: blocks 1..5 with vLLM's hashes, token ids and parents, in daemon memory
+    kv = [e for e in ours if e.group_idx == 0]
+    assert [h for e in kv for h in e.block_hashes] == hashes
+    assert [t for e in kv for t in e.token_ids] == tokens[:80] and kv[0].parent_block_hash is None
+    assert {e.kv_cache_spec_kind for e in kv} == {"full_attention"}
+    # each Mamba group: the state after 80 tokens, as the block ending there
+    for group in (1, 2):
+        [state] = [e for e in ours if e.group_idx == group]
+        assert (state.block_hashes, state.parent_block_hash, state.token_ids,
+                state.kv_cache_spec_kind) == ([hashes[4]], hashes[3], tokens[64:80], "mamba")
+    # b hits all 80 tokens from the daemon's host memory
+    assert run.scheduler.reset_prefix_cache()
+    run.add("b", tokens)
+    run.run()
+    assert sources == [("b", {CacheHitSource.HOST: 80})]
+    # a longer prompt stores a sixth page (and the state after it); then the daemon loses
+    # that page: the next lookup stops at the fifth, and says the sixth is gone
+    longer = run.add("longer", tokens + prompt(51, 14))
+    run.run()
+    sixth = maybe_convert_block_hash(longer.block_hashes[5])
+    assert any(sixth in e.block_hashes for e in published if isinstance(e, BlockStored))
+    group = Client(daemon).group(run.scheduler.connector.group_id)
+    attention = run.ranks[0].connector.mover.members()[0]
+    assert attention.evict(keys=group.chain(longer.all_token_ids[:96]).keys[5:]) == 1
+    published.clear()
+    assert run.scheduler.reset_prefix_cache()
+    run.add("c", list(longer.prompt_token_ids))
+    run.step()
+    removed = [e for e in published if isinstance(e, BlockRemoved)]
+    assert [(e.block_hashes, e.group_idx, e.medium) for e in removed] == [([sixth], 0, "CPU")]
+    run.close()
