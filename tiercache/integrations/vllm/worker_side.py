@@ -54,7 +54,8 @@ class Registrar:
     tp_size: int
     extra: tuple[str, ...] = ()
 
-    def register(self, shape: CacheShape, backing: torch.Tensor) -> dict[int, Worker]:
+    def register(self, shape: CacheShape, backing: torch.Tensor
+                 ) -> tuple[Client, dict[int, Worker]]:
         plans = member_plans(shape, self.tp_rank, self.tp_size)
         client, members = self.client(), {}
         try:
@@ -67,8 +68,9 @@ class Registrar:
         except BaseException:
             for worker in members.values():
                 worker.close()
+            client.close()
             raise
-        return members
+        return client, members
 
 
 @dataclass
@@ -84,6 +86,7 @@ class BlockMover:
         self.on_gpu = backing.is_cuda
         self._retry_after, self._retry_at = retry_after, 0.0
         self._members: dict[int, Worker] | None = None
+        self._client: Client | None = None
         self._loading: dict[str, _Loading] = {}
         self._saves: queue.Queue[tuple[Sequence[SaveJob], Any] | None] = queue.Queue()
         self._saved: dict[int, bool] = {}
@@ -101,7 +104,7 @@ class BlockMover:
             if time.monotonic() < self._retry_at:
                 return None
             try:
-                self._members = self.registrar.register(self.shape, self.backing)
+                self._client, self._members = self.registrar.register(self.shape, self.backing)
             except TiercacheError as error:
                 log.warning("tiercache registration failed, vLLM runs without the cache for "
                             "%.1f s: %s", self._retry_after, error)
@@ -113,6 +116,9 @@ class BlockMover:
         for worker in self._members.values():
             worker.close()
         self._members = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         for loading in self._loading.values():
             loading.failed = True
 
