@@ -59,7 +59,8 @@ class Drill:
         registrar = Registrar(lambda: client, "test/hybrid@1", group_id, 0, 1, ("drill",))
         mover = BlockMover(registrar, shape, backing, retry_after=1.0)
         assert mover.members() is not None
-        tokens = np.random.default_rng(0).integers(1, 50_000, 4096).tolist()
+        count = shape.num_blocks * shape.block_size  # enough for a prompt of every block
+        tokens = np.random.default_rng(0).integers(1, 50_000, count).tolist()
         return cls(shape, backing, mover, tokens)
 
     def views(self, group: int) -> dict[str, torch.Tensor]:
