@@ -26,7 +26,7 @@ import numpy as np
 from tiercache.engine import Engine
 from tiercache.errors import FailedPrecondition, InvalidArgument, NotFound
 from tiercache.hashing import Namespace, PageKey
-from tiercache.index import Match, StopReason
+from tiercache.results import Match, StopReason
 from tiercache.v1 import tiercache_pb2 as pb
 
 if TYPE_CHECKING:

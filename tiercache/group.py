@@ -19,7 +19,7 @@ import grpc
 
 from tiercache.errors import InvalidArgument
 from tiercache.hashing import Chain, Keys, PageKey, key_array, page_chain, page_keys
-from tiercache.index import Match
+from tiercache.results import Match
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 from tiercache.wire import error_of, match_from_proto

@@ -19,7 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from tiercache.index import Index, Kind, Match, StopReason, Tier, best_tiers
+from tiercache.index import Index, best_tiers
+from tiercache.results import Kind, Match, StopReason, Tier
 
 
 @dataclass(frozen=True)

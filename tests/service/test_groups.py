@@ -16,7 +16,7 @@ from tests.service.daemon import running_daemon
 from tiercache.client import Client
 from tiercache.errors import FailedPrecondition, InvalidArgument, NotFound
 from tiercache.group import GroupMember
-from tiercache.index import StopReason
+from tiercache.results import StopReason
 from tiercache.layout import BufferSpec, Layout
 
 PAGE = 8

@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, MambaS
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.errors import InvalidArgument
-from tiercache.index import Tier
+from tiercache.results import Tier
 from tiercache.integrations.vllm.config import ConnectorConfig
 from tiercache.integrations.vllm.events import Announcer
 from tiercache.integrations.vllm.jobs import Jobs, SaveReport

@@ -17,7 +17,7 @@ from typing import Any
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, resolve_block_hashes
 
-from tiercache.index import Match, StopReason
+from tiercache.results import Match, StopReason
 from tiercache.integrations.vllm.jobs import SaveJob
 from tiercache.integrations.vllm.pages import ATTENTION, MAMBA, CacheShape
 

@@ -35,7 +35,7 @@ from tiercache.client import Client
 from tiercache.errors import TiercacheError
 from tiercache.group import Group
 from tiercache.hashing import HASHES, Chain, PageKey, page_chain
-from tiercache.index import Match
+from tiercache.results import Match
 from tiercache.integrations.vllm.config import ConnectorConfig
 from tiercache.integrations.vllm.jobs import Jobs, LoadJob, SaveJob, SaveReport, head
 from tiercache.integrations.vllm.pages import ATTENTION, MAMBA, CacheShape

@@ -24,7 +24,7 @@ from vllm.v1.request import Request  # noqa: E402
 from tests.tiercache.integrations.vllm.harness import (BLOCK, engine, prompt,  # noqa: E402
                                                        vllm_config)
 from tiercache.client import Client  # noqa: E402
-from tiercache.index import StopReason  # noqa: E402
+from tiercache.results import StopReason  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])  # layer-outer, block-outer
