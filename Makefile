@@ -9,7 +9,15 @@ EXTRAS ?= dev,transformers
 PROTO := proto/tiercache/v1/tiercache.proto
 PROTOC = $(PY) -m grpc_tools.protoc -Iproto --python_out=$(1) --grpc_python_out=$(1) --pyi_out=$(1) $(PROTO)
 
-.PHONY: env serve test demo proto proto-check test-gpu bench-gpu wheels clean
+# The vLLM connector's tests need vLLM, whose pins (transformers<5.20) clash with the
+# transformers extra: they get a virtual environment of their own. vLLM 0.32.0 pins
+# torch==2.13.0, which the CPU build satisfies; it also pulls torchvision, torchaudio and
+# torchcodec, which do not import beside the CPU torch, so they go again.
+VLLM_VENV ?= .venv-vllm
+VLLM ?= vllm==0.32.0
+PYV := $(VLLM_VENV)/bin/python
+
+.PHONY: env serve test test-vllm demo proto proto-check test-gpu bench-gpu wheels clean
 
 env: $(VENV)/.installed
 
@@ -25,6 +33,19 @@ serve: env  ## the daemon with defaults: ./tiercache-data, 1 GiB of host memory
 
 test: env
 	$(PY) -m pytest -q
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(PYV) -m pip install -q --upgrade pip
+	$(PYV) -m pip install -q "$(TORCH)"
+	$(PYV) -m pip install -q "$(VLLM)"
+	$(PYV) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PYV) -m pip install -q -e ".[dev]"
+	$(PYV) -c "import vllm, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed  ## the vLLM connector against vLLM's real scheduler (CPU)
+	$(PYV) -m pytest -q tests/tiercache/integrations/vllm tests/service/test_groups.py
 
 demo: env  ## a daemon and two workers in shared-prefix conversations
 	$(PY) examples/demo.py
@@ -51,4 +72,4 @@ wheels:  ## what a GPU machine without network needs beside its torch, into .whl
 	  -d .whl $(WHEELS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

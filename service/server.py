@@ -182,7 +182,10 @@ def serve(config: ServiceConfig) -> int:
         signal.signal(sig, lambda *_: stop.set())
     daemon = start(config)
     _announce(daemon)
-    stop.wait()
+    # a signal another thread took runs its handler only when this thread next wakes: a
+    # wait without a timeout could miss a SIGTERM for good (seen after SIGSTOP/SIGCONT)
+    while not stop.wait(0.5):
+        pass
     log.info("stopping: health NOT_SERVING, %.0f s grace for calls in flight", config.grace_seconds)
     daemon.stop()
     log.info("stopped")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from service.auth import Authenticator
+from service.groups import GroupRegistry, describe_to_proto
 from service.workers import Registration, WorkerRegistry
 from tiercache.engine import Engine
 from tiercache.errors import DeadlineExceeded, InvalidArgument
@@ -54,6 +55,7 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         self.max_prompt_pages = max_prompt_pages
         self.auth = auth or Authenticator({})
         self.stopping = threading.Event()
+        self.groups = GroupRegistry(engine, registry)
 
     def _worker(self, worker_id: str, context: grpc.ServicerContext
                 ) -> AbstractContextManager[Registration]:
@@ -89,6 +91,12 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                  ) -> Iterator[pb.RegisterResponse]:
         identity = self.auth.identify(context)
         registration = self.registry.add(request, identity, self.auth.hash_of(identity.tenant))
+        if registration.group is not None:
+            try:
+                self.groups.join(registration)
+            except Exception:
+                self.registry.remove(registration.id)
+                raise
         # the stream's end, for whatever reason (worker gone, unregister, shutdown), unregisters
         if not context.add_callback(lambda: self.registry.remove(registration.id)):
             self.registry.remove(registration.id)  # the call ended already
@@ -110,9 +118,17 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
         keys = self._keys(request.keys, context)
         checks = self._checks(request.checks, keys)
+        if request.group:  # a caller without buffers (vLLM's scheduler) asks for a group
+            tenant = self.auth.identify(context).tenant
+            match = self.groups.match(tenant, request.group, keys, checks, request.prefetch)
+            return pb.MatchResponse(match=match_to_proto(match))
         with self._worker(request.worker_id, context) as worker:
-            match = self.engine.match(worker.layout, worker.engine_keys(keys),
-                                      prefetch=request.prefetch, checks=checks)
+            if worker.group is not None:  # a rank answers for its whole group
+                match = self.groups.match(worker.identity.tenant, worker.group.id, keys, checks,
+                                          request.prefetch)
+            else:
+                match = self.engine.match(worker.layout, worker.engine_keys(keys),
+                                          prefetch=request.prefetch, checks=checks)
         return pb.MatchResponse(match=match_to_proto(match))
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
@@ -147,6 +163,11 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         with self._worker(request.worker_id, context) as worker:
             evicted = self.engine.evict(worker.engine_keys(keys), tier_from_proto(request.tier))
         return pb.EvictResponse(evicted=evicted)
+
+    def DescribeGroup(self, request: pb.DescribeGroupRequest, context: grpc.ServicerContext
+                      ) -> pb.DescribeGroupResponse:
+        tenant = self.auth.identify(context).tenant  # groups are looked up in the caller's tenant
+        return describe_to_proto(self.groups.describe(tenant, request.group))
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         self.auth.identify(context)  # figures of every tenant together: callers must be known

@@ -23,6 +23,7 @@ from tiercache.counters import Counters, EvictReason
 from tiercache.errors import FailedPrecondition
 from tiercache.hashing import PageKey, key_list
 from tiercache.index import Hit, Index
+from tiercache.joint import JointHit, Member, joint_hit
 from tiercache.keymap import KeyMap
 from tiercache.layout import Layout
 from tiercache.metrics import byte_counters
@@ -84,6 +85,16 @@ class Books:
             self.index.touch(hit.rows)
             if pin and hit.match.pages:
                 self.index.pin(hit.rows)
+            return hit
+
+    def match_group(self, members: list[Member], page_tokens: int,
+                    checks: np.ndarray | None) -> JointHit:
+        """The longest prefix every member of a group can load, its entries marked used."""
+        with self.lock:
+            self.check_open()
+            self.index.tick()
+            hit = joint_hit(self.index, members, page_tokens, checks)
+            self.index.touch(hit.rows)
             return hit
 
     def rows_of(self, kind: Kind, keys: np.ndarray) -> np.ndarray:

@@ -24,6 +24,7 @@ from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import InvalidArgument
 from tiercache.hashing import Keys, distinct_keys, key_array
 from tiercache.index import Index
+from tiercache.joint import Member
 from tiercache.load import Group, Loads
 from tiercache.metrics import Traffic
 from tiercache.policy import PolicyConfig, make_policy
@@ -240,11 +241,29 @@ class Engine:
         hit = self.books.match(layout, chain, checks_of(checks, chain))
         self.books.count_match(hit.match, layout.page_tokens)
         if prefetch and hit.match.pages:
-            started = self.promotions.start(hit.rows)
-            self.books.count("prefetches", started)
-            if started:
-                self.background.kick()
+            self._prefetch_in_background(hit.rows)
         return hit.match
+
+    def match_group(self, members: Sequence[tuple[Any, Keys]], prefetch: bool = False, *,
+                    checks: np.ndarray | None = None) -> Match:
+        """The longest prefix that every member of a group can load (tiercache.joint):
+        each member's layout and its keys for the same prompt (same page size)."""
+        parts = [Member(distinct_keys(keys), layout.page_bytes, layout.checkpoint_bytes)
+                 for layout, keys in members]
+        self.loads.reap()
+        page_tokens = members[0][0].page_tokens
+        hit = self.books.match_group(parts, page_tokens, checks_of(checks, parts[0].keys))
+        self.books.count_match(hit.match, page_tokens)
+        if prefetch and hit.match.pages:
+            self._prefetch_in_background(hit.rows)
+        return hit.match
+
+    def _prefetch_in_background(self, rows: np.ndarray) -> int:
+        started = self.promotions.start(rows)
+        self.books.count("prefetches", started)
+        if started:
+            self.background.kick()
+        return started
 
     def load(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
              slot: int | None = None, ready: Any = None, asynchronous: bool = False, *,

@@ -109,7 +109,9 @@ class Loads:
             if hit.match.pages == 0:
                 return LoadResult(hit.match, {}, damaged)
             transfer.wait_for(ready, "load")
-            jobs: list[Job] = [(Group.pages(buffers, transfer), hit.page_rows, dst[:hit.match.pages])]
+            jobs: list[Job] = []  # a layout without paged buffers loads its checkpoint only
+            if layout.needs_pages:
+                jobs.append((Group.pages(buffers, transfer), hit.page_rows, dst[:hit.match.pages]))
             if hit.checkpoint_row is not None:
                 jobs.append((Group.checkpoints(buffers, transfer), np.array([hit.checkpoint_row]),
                              dst_slot))

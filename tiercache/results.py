@@ -28,6 +28,7 @@ class StopReason(enum.Enum):
     END_OF_PROMPT = "end_of_prompt"  # every full page of the prompt hit
     MISSING_PAGE = "missing_page"  # the next KV page is in no tier
     NO_CHECKPOINT = "no_checkpoint"  # KV pages go on, but no checkpoint further on
+    GROUP_INCOMPLETE = "group_incomplete"  # a rank of the group is missing: no hit at all
 
 
 @dataclass(frozen=True)

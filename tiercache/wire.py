@@ -51,7 +51,8 @@ def error_of(error: grpc.RpcError) -> TiercacheError:
 
 
 _STOPS = {StopReason.END_OF_PROMPT: pb.END_OF_PROMPT, StopReason.MISSING_PAGE: pb.MISSING_PAGE,
-          StopReason.NO_CHECKPOINT: pb.NO_CHECKPOINT}
+          StopReason.NO_CHECKPOINT: pb.NO_CHECKPOINT,
+          StopReason.GROUP_INCOMPLETE: pb.GROUP_INCOMPLETE}
 _STOPS_BACK = {v: k for k, v in _STOPS.items()}
 
 

@@ -20,6 +20,7 @@ class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     END_OF_PROMPT: _ClassVar[StopReason]
     MISSING_PAGE: _ClassVar[StopReason]
     NO_CHECKPOINT: _ClassVar[StopReason]
+    GROUP_INCOMPLETE: _ClassVar[StopReason]
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
@@ -28,6 +29,7 @@ STOP_REASON_UNSPECIFIED: StopReason
 END_OF_PROMPT: StopReason
 MISSING_PAGE: StopReason
 NO_CHECKPOINT: StopReason
+GROUP_INCOMPLETE: StopReason
 
 class BufferSpec(_message.Message):
     __slots__ = ("name", "rows", "row_shape", "dtype")
@@ -85,19 +87,31 @@ class BufferLocation(_message.Message):
     cuda: CudaIpcBuffer
     def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm: _Optional[_Union[SharedMemoryBuffer, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
 
+class Group(_message.Message):
+    __slots__ = ("id", "rank", "size")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    rank: int
+    size: int
+    def __init__(self, id: _Optional[str] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
-    __slots__ = ("model_id", "layout", "buffers", "extra_keys", "hash")
+    __slots__ = ("model_id", "layout", "buffers", "extra_keys", "hash", "group")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     layout: Layout
     buffers: _containers.RepeatedCompositeFieldContainer[BufferLocation]
     extra_keys: _containers.RepeatedScalarFieldContainer[str]
     hash: str
-    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferLocation, _Mapping]]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., hash: _Optional[str] = ...) -> None: ...
+    group: Group
+    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferLocation, _Mapping]]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., hash: _Optional[str] = ..., group: _Optional[_Union[Group, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "namespace_root", "layout_fingerprint", "hash")
@@ -122,16 +136,18 @@ class UnregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "prefetch", "checks")
+    __slots__ = ("worker_id", "keys", "prefetch", "checks", "group")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     CHECKS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     prefetch: bool
     checks: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., checks: _Optional[bytes] = ...) -> None: ...
+    group: str
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., checks: _Optional[bytes] = ..., group: _Optional[str] = ...) -> None: ...
 
 class MatchResult(_message.Message):
     __slots__ = ("pages", "tokens", "prompt_pages", "page_tiers", "checkpoint_tier", "stop")
@@ -246,6 +262,28 @@ class EvictResponse(_message.Message):
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     evicted: int
     def __init__(self, evicted: _Optional[int] = ...) -> None: ...
+
+class DescribeGroupRequest(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    def __init__(self, group: _Optional[str] = ...) -> None: ...
+
+class DescribeGroupResponse(_message.Message):
+    __slots__ = ("namespace_root", "hash", "size", "live_ranks", "model_id", "page_tokens")
+    NAMESPACE_ROOT_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace_root: bytes
+    hash: str
+    size: int
+    live_ranks: _containers.RepeatedScalarFieldContainer[int]
+    model_id: str
+    page_tokens: int
+    def __init__(self, namespace_root: _Optional[bytes] = ..., hash: _Optional[str] = ..., size: _Optional[int] = ..., live_ranks: _Optional[_Iterable[int]] = ..., model_id: _Optional[str] = ..., page_tokens: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
