@@ -119,7 +119,7 @@ def worker_keys(prompt: int) -> tuple[bytes, ...]:
 def stored_as(prompt: int, mask: np.ndarray) -> list[tuple[bytes, bytes, bytes]]:
     """(LMDB key: kind byte + the daemon's key, worker key, content kind) of each entry a
     store of `prompt` writes: its pages and the checkpoint at its end. The daemon keeps
-    the keys it is sent masked for the tenant (tiercache.tenancy)."""
+    the keys it is sent masked for the namespace (tiercache.tenancy)."""
     keys = worker_keys(prompt)
     daemon = tenancy.masked(key_array(list(keys)), mask).tobytes()
     entries = [(b"\0" + daemon[16 * n:16 * n + 16], key, keyed.PAGE) for n, key in enumerate(keys)]
@@ -131,7 +131,8 @@ def check_offline(data_dir: Path, history: History, rng: np.random.Generator) ->
     prompt whose durable store was acknowledged wholly there, headers sound, sizes right;
     the prompts stored since the last check (and a sample of older ones) checksummed and
     compared byte for byte with their keys' content."""
-    mask = tenancy.tenant_mask(tenancy.load_secret(str(data_dir / "secret")), "")
+    root = Namespace(prompts.MODEL, prompts.LAYOUT.fingerprint).root()
+    mask = tenancy.namespace_mask(tenancy.load_secret(str(data_dir / "secret")), root)
     for prompt in history.recent:
         history.known.update(dkey for dkey, _, _ in stored_as(prompt, mask))
     older = sorted(history.attempted - history.recent)

@@ -33,7 +33,7 @@ class Registration:
     active: int = 0
     gone: threading.Event = field(default_factory=threading.Event)
     identity: Identity = Identity("", "anyone")  # who registered: every call must be them
-    mask: np.ndarray | None = None  # the tenant's key mask (tiercache.tenancy), if any
+    mask: np.ndarray | None = None  # the namespace's key mask (tiercache.tenancy), if any
 
     @property
     def layout(self) -> Layout:
@@ -41,7 +41,7 @@ class Registration:
         return self.buffers.layout
 
     def engine_keys(self, keys: np.ndarray) -> np.ndarray:
-        """The keys a worker sent, as the engine stores them for its tenant."""
+        """The keys a worker sent, as the engine stores them for its namespace."""
         return keys if self.mask is None else tenancy.masked(keys, self.mask)
 
 
@@ -130,7 +130,7 @@ class WorkerRegistry:
         root = namespace.root()  # checks the namespace before any buffer is mapped
         self._check_room(identity.tenant)
         buffers, opened = map_buffers(layout, request.buffers)
-        mask = None if self._secret is None else tenancy.tenant_mask(self._secret, identity.tenant)
+        mask = None if self._secret is None else tenancy.namespace_mask(self._secret, root)
         registration = Registration(secrets.token_hex(12), namespace, root, buffers, opened,
                                     identity=identity, mask=mask)
         with self._changed:

@@ -25,7 +25,7 @@ from tiercache import failpoints
 from tiercache.admission import admit, entry_values
 from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
-from tiercache.hashing import Keys, key_array
+from tiercache.hashing import Keys, distinct_keys, key_array
 from tiercache.index import Hit, Index, Kind, Match, StopReason, Tier
 from tiercache.keymap import KeyMap
 from tiercache.layout import Layout
@@ -234,7 +234,7 @@ class Engine:
 
         `durable`: return only once every page of the chain and each checkpoint the result
         names are committed to disk (within `timeout` seconds); raise if they cannot be."""
-        layout, chain = buffers.layout, key_array(keys)
+        layout, chain = buffers.layout, distinct_keys(keys)
         checks = _checks(checks, chain)
         offered = dict(checkpoints or {})
         bad = [n for n in offered if not 0 < n <= len(chain)]
@@ -275,7 +275,7 @@ class Engine:
         """Store the KV pages of a prompt: keys[i] (page i+1 of the chain) from rows[i]."""
         if not buffers.layout.needs_pages:
             raise InvalidArgument("this layout has no paged buffers: store a checkpoint instead")
-        chain = key_array(keys)
+        chain = distinct_keys(keys)
         return self._store_chain(buffers, chain, self._page_rows(buffers.layout, chain, rows),
                                  {}, ready)
 
@@ -285,7 +285,7 @@ class Engine:
         admission applies to the checkpoints `store` is offered)."""
         if not buffers.layout.needs_checkpoint:
             raise InvalidArgument("this layout has no slot buffers: it has no checkpoints")
-        chain = key_array(keys)
+        chain = distinct_keys(keys)
         if not len(chain):
             raise InvalidArgument("a checkpoint needs the page keys of its prefix, got none")
         src = row_ids([slot], buffers.layout.slot_rows, "state slot")
@@ -385,7 +385,7 @@ class Engine:
         group.transfer.wait_for(ready, "store")
         tier = Tier.DEVICE if group.transfer is self.tiers.device_transfer else Tier.HOST
         arena = self.tiers.arena(tier)
-        todo, claimed, clashes = self._claim(group.kind, keys, values, stamp, checks, pins)
+        todo, claimed, clashes = self._claim(group, keys, values, stamp, checks, pins)
         stored = 0
         try:
             while stored < len(todo):  # in batches: each one may push the last down a tier
@@ -437,17 +437,19 @@ class Engine:
         skipped = len(todo) - stored + len(clashes)
         return StoreResult(stored, len(keys) - len(todo) - len(clashes), skipped), kept
 
-    def _claim(self, kind: Kind, keys: np.ndarray, values: np.ndarray, stamp: int,
+    def _claim(self, group: Group, keys: np.ndarray, values: np.ndarray, stamp: int,
                checks: np.ndarray | None = None, pins: list[np.ndarray] | None = None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Refresh the entries already cached; claim the others that no concurrent store is
         writing. Returns (positions of the claimed keys, the claimed keys, positions of keys
         cached for another prompt: a collision, left alone and not stored)."""
+        kind = group.kind
         with self._lock:
             self._check_open()
             self.moving.reap()
             existing = self.index.rows_of(kind, keys)
-            clashes = np.flatnonzero(self.index.verified(existing, checks) != existing)
+            # an entry of another size or check under the key is not this caller's to use
+            clashes = np.flatnonzero(self.index.usable(existing, group.nbytes, checks) != existing)
             existing[clashes] = -2  # neither present nor new
             present = existing >= 0
             self.index.touch(existing[present], stamp)
@@ -477,7 +479,7 @@ class Engine:
         to the host, so that the load that follows finds them there (a load of an entry
         still moving waits for it)."""
         with self._lock:
-            chain = key_array(keys)
+            chain = distinct_keys(keys)
             hit = self._match(layout, chain, _checks(checks, chain))
             self.counters["matches"] += 1
             self.counters["matched_pages"] += hit.match.pages
@@ -490,7 +492,7 @@ class Engine:
         self._check_open()
         self.moving.reap()
         self.index.tick()
-        hit = self.index.match(keys, layout.page_tokens, layout.needs_pages, layout.needs_checkpoint,
+        hit = self.index.match(keys, layout.page_tokens, layout.page_bytes, layout.checkpoint_bytes,
                                checks)
         self.index.touch(hit.rows)
         return hit
@@ -507,7 +509,7 @@ class Engine:
         `asynchronous`, at once with `LoadResult.done`: an interprocess event the worker's
         stream waits on; the entries stay pinned until it completes. With `checks`, only
         entries stored with the same checks hit (see `store`)."""
-        layout, keys = buffers.layout, key_array(keys)
+        layout, keys = buffers.layout, distinct_keys(keys)
         checks = _checks(checks, keys)
         dst = row_ids(rows, layout.page_rows, "kv row", unique=True)
         limit = len(dst) if layout.needs_pages else len(keys)
@@ -543,7 +545,7 @@ class Engine:
         load that follows finds them there. Returns how many entries moved, or, without
         `wait`, how many the background thread was asked to move."""
         with self._lock:
-            hit = self._match(layout, key_array(keys))
+            hit = self._match(layout, distinct_keys(keys))
             if self.disk is None or hit.match.pages == 0:
                 return 0
             if not wait:
@@ -570,7 +572,7 @@ class Engine:
             if keys is None:
                 rows = np.unique(np.concatenate([self.index.rows_in(t) for t in tiers]))
             else:
-                found = np.concatenate([self.index.rows_of(kind, key_array(keys)) for kind in Kind])
+                found = np.concatenate([self.index.rows_of(kind, distinct_keys(keys)) for kind in Kind])
                 rows = np.unique(found[found >= 0])
             rows = rows[self.index.column("pins", rows) == 0]
             dropped = np.zeros(len(rows), bool)

@@ -182,3 +182,23 @@ def key_hex(key: bytes, width: int = 8) -> str:
     """A short printable form of a key for logs and errors."""
     return key[:width].hex()
 
+
+
+def distinct_keys(keys: Keys) -> np.ndarray:
+    """`key_array(keys)`, refusing a key repeated in the sequence: a prompt's chained keys
+    are all distinct, and a repeat would name one entry twice in one request."""
+    chain = key_array(keys)
+    if len(chain) < 2:
+        return chain
+    order = np.argsort(chain[:, 0], kind="stable")  # the low halves are the hash: few ties
+    lo = chain[order, 0]
+    tied = np.flatnonzero(lo[1:] == lo[:-1])
+    if len(tied):
+        same = chain[order[tied], 1] == chain[order[tied + 1], 1]
+        if same.any():
+            pairs = np.sort(np.stack([order[tied[same]], order[tied[same] + 1]], axis=1), axis=1)
+            first, repeat = pairs[np.argmin(pairs[:, 1])].tolist()
+            raise InvalidArgument(f"key {repeat} repeats key {first} ({key_hex(chain[first].tobytes())}"
+                                  "...): a prompt's page keys are all distinct, so hash it with "
+                                  "tiercache.hashing")
+    return chain

@@ -104,6 +104,7 @@ class Index:
         self.count = {t: 0 for t in TIERS}
         self.bytes = {t: 0 for t in TIERS}
         self.collisions = 0  # keys found whose entry's check did not match: misses
+        self.foreign = 0  # keys found whose entry has another size (another layout): misses
 
     def _grow(self, capacity: int) -> None:
         old = self._capacity
@@ -144,32 +145,43 @@ class Index:
     def in_tier(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
         return (self._cols["tiers"][rows] & int(tier)) != 0
 
-    def verified(self, rows: np.ndarray, checks: np.ndarray | None) -> np.ndarray:
-        """`rows` (of keys looked up), with -1 where the entry's check differs from the
-        caller's: another prompt under the same key (a collision), never served. An entry
-        stored without checks (0: its caller gave keys, not tokens) has nothing to compare."""
-        if checks is None or not len(rows):
+    def usable(self, rows: np.ndarray, nbytes: int, checks: np.ndarray | None = None) -> np.ndarray:
+        """`rows` (of keys looked up), with -1 where the entry cannot serve this caller: it
+        is not `nbytes` long (an entry of another layout under the same key: reading it
+        would hand over bytes the caller's namespace never stored, invariant 5), or its
+        check differs from the caller's (another prompt under the same key, a collision).
+        An entry stored without checks (0: its caller gave keys, not tokens) has no check
+        to compare."""
+        if not len(rows):
             return rows
-        stored = self._cols["check"][np.maximum(rows, 0)]
-        clash = (rows >= 0) & (stored != 0) & (stored != checks)
-        if clash.any():
+        at = np.maximum(rows, 0)
+        found = rows >= 0
+        foreign = found & (self._cols["nbytes"][at] != nbytes)
+        unusable = foreign
+        if checks is not None:
+            stored = self._cols["check"][at]
+            clash = found & ~foreign & (stored != 0) & (stored != checks)
             self.collisions += int(clash.sum())
-            rows = np.where(clash, -1, rows)
-        return rows
+            unusable = foreign | clash
+        if not unusable.any():
+            return rows
+        self.foreign += int(foreign.sum())
+        return np.where(unusable, -1, rows)
 
-    def match(self, keys: np.ndarray, page_tokens: int, needs_pages: bool,
-              needs_checkpoint: bool, checks: np.ndarray | None = None) -> Hit:
-        """Largest n with pages k_1..k_n in some tier and, if needed, a checkpoint at k_n.
-        With `checks` (one per key), an entry whose check differs counts as missing."""
-        page_rows = (self.verified(self._maps[Kind.PAGE].lookup(keys), checks) if needs_pages
-                     else np.empty(0, np.int64))
+    def match(self, keys: np.ndarray, page_tokens: int, page_bytes: int, checkpoint_bytes: int,
+              checks: np.ndarray | None = None) -> Hit:
+        """Largest n with pages k_1..k_n in some tier and a checkpoint at k_n, of entries of
+        the caller's sizes (0 bytes: the layout has no such entries and needs none). With
+        `checks` (one per key), an entry whose check differs counts as missing."""
+        page_rows = (self.usable(self._maps[Kind.PAGE].lookup(keys), page_bytes, checks)
+                     if page_bytes else np.empty(0, np.int64))
         missing = np.flatnonzero(page_rows < 0)
         walked = int(missing[0]) if missing.size else len(keys)
         pages, checkpoint_row = walked, None
-        if needs_checkpoint:
+        if checkpoint_bytes:
             pages, checkpoint_row = self._deepest_checkpoint(
-                keys[:walked], None if checks is None else checks[:walked])
-        rows = page_rows[:pages] if needs_pages else page_rows
+                keys[:walked], checkpoint_bytes, None if checks is None else checks[:walked])
+        rows = page_rows[:pages] if page_bytes else page_rows
         if pages == len(keys):
             stop = StopReason.END_OF_PROMPT
         elif pages == walked:
@@ -185,17 +197,18 @@ class Index:
             stop=stop)
         return Hit(match, rows, checkpoint_row)
 
-    def _deepest_checkpoint(self, keys: np.ndarray, checks: np.ndarray | None
+    def _deepest_checkpoint(self, keys: np.ndarray, nbytes: int, checks: np.ndarray | None
                             ) -> tuple[int, int | None]:
         """(pages, row) of the checkpoint at the deepest of `keys` that has one; (0, None)."""
         checkpoints = self._maps[Kind.CHECKPOINT]
         if not len(keys):
             return 0, None
-        last = int(self.verified(np.array([checkpoints.get(keys[-1])], np.int64),
-                                 None if checks is None else checks[-1:])[0])
+        last = int(self.usable(np.array([checkpoints.get(keys[-1])], np.int64), nbytes,
+                               None if checks is None else checks[-1:])[0])
         if last >= 0:  # the usual case: the hit ends at a checkpoint
             return len(keys), last
-        rows = self.verified(checkpoints.lookup(keys[:-1]), None if checks is None else checks[:-1])
+        rows = self.usable(checkpoints.lookup(keys[:-1]), nbytes,
+                           None if checks is None else checks[:-1])
         found = np.flatnonzero(rows >= 0)
         return (0, None) if not found.size else (int(found[-1]) + 1, int(rows[found[-1]]))
 
@@ -207,13 +220,15 @@ class Index:
         `values` rate the entries for eviction (0 if not given; see `raise_values`); `checks`
         are what a match must bring to hit a new entry (0 if not given)."""
         rows = self._maps[kind].lookup(keys)
+        if np.any(self._cols["nbytes"][rows[rows >= 0]] != nbytes):
+            raise ValueError(f"an entry among {len(keys)} keys is not {nbytes} bytes")
         new = np.flatnonzero(rows < 0)
         if len(new):
             if len(new) > len(self._free):
                 self._grow(max(2 * self._capacity, self._capacity + len(new)))
             fresh = np.array(self._free[-len(new):][::-1], np.int64)
+            self._maps[kind].insert(keys[new], fresh)  # refuses repeated keys, changing nothing
             del self._free[-len(new):]
-            self._maps[kind].insert(keys[new], fresh)
             rows[new] = fresh
             cols = self._cols
             cols["kind"][fresh] = int(kind)
@@ -224,8 +239,6 @@ class Index:
             cols["key_lo"][fresh], cols["key_hi"][fresh] = keys[new, 0], keys[new, 1]
             cols["value"][fresh] = 0
             cols["check"][fresh] = 0 if checks is None else np.asarray(checks, np.uint64)[new]
-        if np.any(self._cols["nbytes"][rows] != nbytes):
-            raise ValueError(f"an entry among {len(keys)} keys is not {nbytes} bytes")
         if values is not None:
             self.raise_values(rows, values)
         self.add_tier(rows, tier, slots, self._clock if stamp is None else stamp)

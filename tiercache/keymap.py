@@ -19,6 +19,14 @@ _TAIL = 8  # keys still probing when this few are left are probed one by one
 _MIN_CAPACITY = 1024
 
 
+class DuplicateKey(ValueError):
+    """An insert named a key twice, or a key the map holds already."""
+
+    def __init__(self, position: int, why: str) -> None:
+        super().__init__(f"key {position} of the batch {why}")
+        self.position = position
+
+
 def split(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi) uint64 halves of keys given as a uint64 array of shape (n, 2)."""
     return keys[:, 0], keys[:, 1]
@@ -81,23 +89,42 @@ class KeyMap:
             at = (at + 1) & self._mask
 
     def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Add keys that are absent and distinct, each mapping to its row."""
+        """Add keys, each mapping to its row. Every key must be absent and distinct: a key
+        present already or repeated in the batch raises DuplicateKey, and the map stays as
+        it was (two records of one key would let one of them outlive its row)."""
+        present = np.flatnonzero(self._find(keys)[0] >= 0)
+        if present.size:
+            raise DuplicateKey(int(present[0]), "is in the map already")
         self._make_room(len(keys))
         lo, hi = split(keys)
+        rows = np.asarray(rows, np.int64)
         pending = np.arange(len(keys))
         at = (lo & np.uint64(self._mask)).astype(np.int64)
+        written: list[tuple[np.ndarray, np.ndarray]] = []  # (slots, what they held), to undo
         while pending.size:
             free = self._table[at, 2] < _BASE
             # several keys may reach the same free slot: the first of them takes it
             taken, first = np.unique(at[free], return_index=True)
             winners = pending[free][first]
+            written.append((taken, self._table[taken, 2].copy()))
             self._tombstones -= int(np.count_nonzero(self._table[taken, 2] == GONE))
             self._table[taken, 0], self._table[taken, 1] = lo[winners], hi[winners]
-            self._table[taken, 2] = np.asarray(rows, np.int64)[winners] + _BASE
+            self._table[taken, 2] = rows[winners] + _BASE
             going = np.ones(len(pending), bool)
             going[np.flatnonzero(free)[first]] = False
+            # a key that lost its slot to the same key is a repeat within the batch
+            repeat = going & (self._table[at, 0] == lo[pending]) & (self._table[at, 1] == hi[pending])
+            if repeat.any():
+                self._undo(written)
+                raise DuplicateKey(int(pending[repeat][0]), "repeats an earlier key of the batch")
             pending, at = pending[going], (at[going] + 1) & self._mask
         self.count += len(keys)
+
+    def _undo(self, written: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Give slots written by an insert back what they held (empty or a tombstone)."""
+        for slots, held in reversed(written):
+            self._table[slots, 2] = held
+            self._tombstones += int(np.count_nonzero(held == GONE))
 
     def delete(self, keys: np.ndarray) -> None:
         """Remove keys that are present."""

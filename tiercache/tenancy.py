@@ -1,13 +1,15 @@
-"""Keeping tenants apart below the namespace: a per-tenant mask on every key.
+"""Keeping namespaces apart below the wire: a per-namespace mask on every key.
 
-The daemon derives each tenant's namespace root from the tenant's name, so honest
-workers of two tenants never compute the same keys. A worker that learns another
-tenant's root could still compute that tenant's keys; so the daemon also XORs every key a
-worker sends with a 128-bit mask derived from a secret only the daemon knows and the
-worker's tenant (HMAC-SHA256). Engine keys of two tenants differ even for the same key on
-the wire, and no worker can compute another tenant's engine keys. XOR is a bijection per
-tenant (distinct keys stay distinct) and costs one vectorised pass over the (n, 2) uint64
-key array.
+The daemon derives each worker's namespace root from its tenant, model, layout
+fingerprint, extra keys and hash, so honest workers of two namespaces never compute the
+same keys. But the daemon never sees tokens: a worker may send any keys, those of
+another namespace included (another tenant's, or its own under another layout, whose
+entries have other sizes). So the daemon XORs every key a worker sends with a 128-bit
+mask derived from a secret only the daemon knows and the worker's namespace root
+(HMAC-SHA256): engine keys of two namespaces differ even for the same key on the wire,
+and no worker can compute the engine keys of a namespace it is not registered in
+(invariant 5). XOR is a bijection per namespace (distinct keys stay distinct) and costs
+one vectorised pass over the (n, 2) uint64 key array.
 
 The secret lives in the data directory beside the disk tier (mode 0600): the disk holds
 masked keys, so a new secret makes the old entries unreachable (misses, then evicted).
@@ -24,12 +26,13 @@ import numpy as np
 from tiercache.errors import FailedPrecondition
 
 SECRET_BYTES = 32
-_TAG = b"tiercache/tenant-mask/v1\0"
+_TAG = b"tiercache/namespace-mask/v2\0"
 
 
-def tenant_mask(secret: bytes, tenant: str) -> np.ndarray:
-    """The tenant's mask as a uint64 pair, to XOR with keys of shape (n, 2)."""
-    digest = hmac.new(secret, _TAG + tenant.encode(), hashlib.sha256).digest()
+def namespace_mask(secret: bytes, root: bytes) -> np.ndarray:
+    """The mask of the namespace whose root is `root` (Namespace.root(): it covers the
+    tenant, model, layout and extra keys), as a uint64 pair to XOR with keys (n, 2)."""
+    digest = hmac.new(secret, _TAG + bytes(root), hashlib.sha256).digest()
     return np.frombuffer(digest[:16], "<u8").copy()
 
 

@@ -297,3 +297,44 @@ def test_store_takes_pages_and_the_checkpoints_offered_in_one_call(offered, kept
     assert engine.match(LAYOUT, keys).pages == 6
     with pytest.raises(InvalidArgument, match="checkpoint at page 7"):
         engine.store(worker, keys, range(6), checkpoints={7: 0})
+
+
+def test_a_store_that_repeats_a_key_is_refused_before_anything_changes():
+    engine = open_engine()
+    worker = random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=1, pages=3)
+    # the second page's key sent again as the fourth: refused, naming the repeat
+    with pytest.raises(InvalidArgument, match="key 3 repeats key 1"):
+        engine.store(worker, keys + keys[1:2], [0, 1, 2, 3], {4: 0})
+    assert len(engine.index) == 0 and engine.host.used_bytes == 0
+    for call in (lambda: engine.match(LAYOUT, keys + keys[:1]),
+                 lambda: engine.load(worker, keys + keys[:1], [5, 6, 7, 8], slot=1),
+                 lambda: engine.evict(keys + keys[:1])):
+        with pytest.raises(InvalidArgument, match="repeats"):
+            call()
+    # the same prompt without the repeat stores, loads and evicts as usual
+    assert engine.store(worker, keys, [0, 1, 2], {3: 0}).stored == 4
+    assert engine.load(worker, keys, [5, 6, 7], slot=1).match.pages == 3
+    assert engine.evict(keys) == 4 and len(engine.index) == 0
+    engine.close()
+
+
+def test_entries_stored_under_another_layout_are_misses_never_reads():
+    engine = open_engine()
+    small = hybrid_layout(page_rows=8, slot_rows=2, paged=1, slots=1)  # smaller entries
+    stored = random_buffers(small, seed=1)
+    keys = prompt_keys(LAYOUT, seed=1, pages=3)
+    engine.store(stored, keys, [0, 1, 2], {3: 0})
+    # the same keys from a worker of another layout: no hit, its rows untouched
+    worker = random_buffers(LAYOUT, seed=2)
+    before = page_bytes(worker, range(LAYOUT.page_rows)) + slot_bytes(worker, 1)
+    for call in (lambda: engine.match(LAYOUT, keys), lambda: engine.load(worker, keys, [5, 6, 7], slot=1)):
+        match = call()
+        match = getattr(match, "match", match)
+        assert match.pages == 0 and match.stop == StopReason.MISSING_PAGE
+    assert same(page_bytes(worker, range(LAYOUT.page_rows)) + slot_bytes(worker, 1), before)
+    # and its store of those keys leaves the other layout's entries alone
+    result = engine.store(worker, keys, [0, 1, 2], {3: 0})
+    assert result.stored == 0 and result.skipped == 4
+    assert engine.load(random_buffers(small, seed=3), keys, [4, 5, 6], slot=1).match.pages == 3
+    engine.close()

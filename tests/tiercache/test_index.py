@@ -19,7 +19,7 @@ def stored(pages=(), checkpoints=(), tier=Tier.HOST):
 
 
 def hybrid_match(index, keys=KEYS):
-    return index.match(keys, 16, needs_pages=True, needs_checkpoint=True).match
+    return index.match(keys, 16, page_bytes=100, checkpoint_bytes=999).match
 
 
 def test_empty_cache_misses_at_the_first_page():
@@ -58,18 +58,18 @@ def test_full_hybrid_hit_ends_at_the_end_of_the_prompt():
 
 def test_attention_only_layout_needs_no_checkpoint():
     index = stored(pages=[1, 2, 3, 5])
-    match = index.match(KEYS, 16, needs_pages=True, needs_checkpoint=False).match
+    match = index.match(KEYS, 16, page_bytes=100, checkpoint_bytes=0).match
     # pages 1..3 hit, page 4 is missing
     assert match.pages == 3 and match.stop == StopReason.MISSING_PAGE and match.checkpoint_tier is None
 
 
 def test_ssm_only_layout_takes_the_deepest_checkpoint():
     index = stored(checkpoints=[2, 4])
-    match = index.match(KEYS, 16, needs_pages=False, needs_checkpoint=True).match
+    match = index.match(KEYS, 16, page_bytes=0, checkpoint_bytes=999).match
     # no KV pages needed: the state at page 4 is the hit, page_tiers stay empty
     assert match.pages == 4 and match.page_tiers == () and match.checkpoint_tier == Tier.HOST
     assert match.stop == StopReason.NO_CHECKPOINT
-    full = index.match(KEYS[:4], 16, needs_pages=False, needs_checkpoint=True).match
+    full = index.match(KEYS[:4], 16, page_bytes=0, checkpoint_bytes=999).match
     assert full.pages == 4 and full.stop == StopReason.END_OF_PROMPT
 
 
@@ -107,3 +107,28 @@ def test_publishing_twice_in_a_tier_or_with_another_size_is_a_bug():
         index.publish(Kind.PAGE, KEYS[:1], [1], 100, Tier.HOST, slots=[3])
     with pytest.raises(ValueError, match="bytes"):
         index.publish(Kind.PAGE, KEYS[:1], [1], 101, Tier.DISK)
+
+
+def test_entries_of_another_size_are_misses_never_reads():
+    # pages of 100 bytes and checkpoints of 999 bytes are cached under k1..k3
+    index = stored(pages=[1, 2, 3], checkpoints=[3])
+    # a caller whose pages are 400 bytes finds nothing: those entries are not its bytes
+    other = index.match(KEYS, 16, page_bytes=400, checkpoint_bytes=999).match
+    assert other.pages == 0 and other.stop == StopReason.MISSING_PAGE
+    # nor one whose checkpoints have another size: the KV pages go on, the state does not
+    other = index.match(KEYS, 16, page_bytes=100, checkpoint_bytes=4).match
+    assert other.pages == 0 and other.stop == StopReason.NO_CHECKPOINT
+    assert index.foreign == 4  # three pages, then the checkpoint at 3
+    assert hybrid_match(index).pages == 3  # the entries' own size still hits
+
+
+def test_a_key_repeated_in_one_publish_is_refused_and_changes_nothing():
+    index = Index()
+    keys = KEYS[[0, 1, 0]]
+    with pytest.raises(ValueError, match="repeats"):
+        index.publish(Kind.PAGE, keys, [1, 2, 1], 100, Tier.HOST, slots=[0, 1, 2])
+    assert len(index) == 0 and index.count[Tier.HOST] == 0
+    assert list(index.rows_of(Kind.PAGE, KEYS[:2])) == [-1, -1]
+    # the same keys once each publish as usual
+    rows = index.publish(Kind.PAGE, KEYS[:2], [1, 2], 100, Tier.HOST, slots=[0, 1])
+    assert list(index.rows_of(Kind.PAGE, KEYS[:2])) == list(rows)

@@ -43,3 +43,22 @@ def test_a_batch_that_collides_with_itself_lands_in_distinct_slots():
     keymap = KeyMap()
     keymap.insert(keys, np.arange(50))
     assert list(keymap.lookup(keys)) == list(range(50))
+
+
+def test_an_insert_with_a_repeated_or_present_key_is_refused_and_undone():
+    import pytest
+    from tiercache.keymap import DuplicateKey
+    keys = np.array([[5 + 1024 * i, i] for i in range(6)], np.uint64)  # all hash to slot 5
+    keymap = KeyMap()
+    keymap.insert(keys[:2], np.array([0, 1]))
+    keymap.delete(keys[:1])  # a tombstone at slot 5, key 1 behind it
+    # a batch that names key 3 twice: refused, and the slots it took are given back
+    with pytest.raises(DuplicateKey, match="key 3 of the batch repeats"):
+        keymap.insert(keys[[2, 3, 4, 3]], np.array([2, 3, 4, 5]))
+    assert list(keymap.lookup(keys)) == [-1, 1, -1, -1, -1, -1] and len(keymap) == 1
+    # a key the map holds, even behind the tombstone an insert would take first
+    with pytest.raises(DuplicateKey, match="key 1 of the batch is in the map"):
+        keymap.insert(keys[[0, 1]], np.array([7, 8]))
+    assert list(keymap.lookup(keys)) == [-1, 1, -1, -1, -1, -1] and len(keymap) == 1
+    keymap.insert(keys[[0, 2, 3]], np.array([0, 2, 3]))  # distinct, absent keys go in
+    assert list(keymap.lookup(keys)) == [0, 1, 2, 3, -1, -1]

@@ -14,6 +14,10 @@ from typing import Iterator, Protocol
 import numpy as np
 import torch
 
+# What a slot of the memory tiers takes at least: the entries a budget holds, and the index
+# rows (about 110 bytes each) that keep their books, stay below budget / 1 KiB.
+MIN_SLOT_BYTES = 1024
+
 
 class Memory(Protocol):
     """Where slabs come from: host (maybe page-locked) or device memory."""
@@ -29,33 +33,50 @@ class Memory(Protocol):
 class SlabPart:
     """The part of a slot list that lies in one slab."""
 
-    slab: torch.Tensor  # uint8 [slots_per_slab, slot_bytes]
+    slab: torch.Tensor  # uint8 [slots_per_slab, slot_bytes], rows `stride` bytes apart
     local: np.ndarray  # slot indices inside the slab
     positions: np.ndarray  # where these slots stand in the caller's list
 
 
 class SlotPool:
-    def __init__(self, slot_bytes: int, slots_per_slab: int) -> None:
+    """Slots of one entry size. A slot is `stride` bytes apart from the next (at least the
+    entry size: tiny entries are charged a floor, so that the entries a budget can hold,
+    and with them the bookkeeping, stay bounded). Slots never handed out cost nothing: a
+    slab hands out its slots in order, and only returned ones go on the free stack."""
+
+    def __init__(self, slot_bytes: int, slots_per_slab: int, stride: int | None = None) -> None:
         self.slot_bytes = slot_bytes
+        self.stride = max(slot_bytes, stride or 0)
         self.slots_per_slab = slots_per_slab
-        self.slabs: list[torch.Tensor | None] = []
+        self.slabs: list[torch.Tensor | None] = []  # uint8 [slots, stride] each
         self.used: list[int] = []  # slots in use per slab
-        self.free_slots: list[int] = []  # stack; popping hands out ascending slots
+        self.fresh: list[int] = []  # per slab: slots never handed out start here
+        self.free_slots: list[int] = []  # returned slots, a stack
 
     def add_slab(self, slab: torch.Tensor) -> None:
         number = next((i for i, s in enumerate(self.slabs) if s is None), len(self.slabs))
         if number == len(self.slabs):
             self.slabs.append(slab)
             self.used.append(0)
+            self.fresh.append(0)
         else:
-            self.slabs[number] = slab
-        base = number * self.slots_per_slab
-        self.free_slots.extend(range(base + slab.shape[0] - 1, base - 1, -1))
+            self.slabs[number], self.used[number], self.fresh[number] = slab, 0, 0
 
     def pop(self, count: int) -> list[int]:
-        """Up to `count` free slots, O(1) each (the top of the stack, in stack order)."""
+        """Up to `count` free slots: returned ones first (the top of the stack), then
+        slots never used, in ascending order."""
         taken = self.free_slots[-count:][::-1] if count else []
         del self.free_slots[len(self.free_slots) - len(taken):]
+        for number, slab in enumerate(self.slabs):
+            if len(taken) == count:
+                break
+            if slab is None or self.fresh[number] == slab.shape[0]:
+                continue
+            start = self.fresh[number]
+            end = min(slab.shape[0], start + count - len(taken))
+            base = number * self.slots_per_slab
+            taken.extend(range(base + start, base + end))
+            self.fresh[number] = end
         self._count(taken, 1)
         return taken
 
@@ -76,14 +97,16 @@ class SlotPool:
         for i in empty:
             released.append(self.slabs[i])
             self.slabs[i] = None
+            self.fresh[i] = 0
         if empty:
             self.free_slots = [s for s in self.free_slots if s // self.slots_per_slab not in empty]
         return released
 
     def view(self, slot: int) -> torch.Tensor:
+        """The entry's bytes in `slot` (slot_bytes of them)."""
         slab = self.slabs[slot // self.slots_per_slab]
         assert slab is not None, f"slot {slot} lies in a released slab"
-        return slab[slot % self.slots_per_slab]
+        return slab[slot % self.slots_per_slab, :self.slot_bytes]
 
     def parts(self, slots: np.ndarray) -> Iterator[SlabPart]:
         """Split a list of slots by slab (usually one part)."""
@@ -92,16 +115,19 @@ class SlotPool:
             positions = np.flatnonzero(numbers == number)
             slab = self.slabs[int(number)]
             assert slab is not None, f"slots {slots[positions]} lie in a released slab"
-            yield SlabPart(slab, slots[positions] % self.slots_per_slab, positions)
+            yield SlabPart(slab[:, :self.slot_bytes], slots[positions] % self.slots_per_slab,
+                           positions)
 
 
 class SlotArena:
     """Pools of fixed-size slots sharing one byte budget."""
 
-    def __init__(self, budget_bytes: int, slab_bytes: int, memory: Memory) -> None:
+    def __init__(self, budget_bytes: int, slab_bytes: int, memory: Memory,
+                 min_slot_bytes: int = 0) -> None:
         self.budget_bytes = budget_bytes
         self.slab_bytes = slab_bytes
         self.memory = memory
+        self.min_slot_bytes = min_slot_bytes  # each slot takes at least this much budget
         self.pools: dict[int, SlotPool] = {}
         self.reserved_bytes = 0  # bytes of slabs allocated
         self.used_bytes = 0  # bytes of slots in use
@@ -109,13 +135,14 @@ class SlotArena:
     def pool(self, slot_bytes: int) -> SlotPool:
         pool = self.pools.get(slot_bytes)
         if pool is None:
-            pool = SlotPool(slot_bytes, max(1, self.slab_bytes // slot_bytes))
+            stride = max(slot_bytes, self.min_slot_bytes)
+            pool = SlotPool(slot_bytes, max(1, self.slab_bytes // stride), stride)
             self.pools[slot_bytes] = pool
         return pool
 
     def fits(self, slot_bytes: int) -> bool:
         """Whether one slot of this size can ever fit the budget."""
-        return slot_bytes <= self.budget_bytes
+        return max(slot_bytes, self.min_slot_bytes) <= self.budget_bytes
 
     def alloc(self, slot_bytes: int, count: int) -> list[int]:
         """Up to `count` slots; fewer when the budget is spent (the caller evicts and retries)."""
@@ -123,12 +150,13 @@ class SlotArena:
         slots = pool.pop(count)
         while len(slots) < count and self._grow(pool, count - len(slots)):
             slots += pool.pop(count - len(slots))
-        self.used_bytes += len(slots) * slot_bytes
+        self.used_bytes += len(slots) * pool.stride
         return slots
 
     def free(self, slot_bytes: int, slots: list[int]) -> None:
-        self.pools[slot_bytes].push(list(slots))
-        self.used_bytes -= len(slots) * slot_bytes
+        pool = self.pools[slot_bytes]
+        pool.push(list(slots))
+        self.used_bytes -= len(slots) * pool.stride
 
     def reclaim(self) -> int:
         """Give the slabs that hold no entry back to the budget."""
@@ -151,12 +179,12 @@ class SlotArena:
 
     def _grow(self, pool: SlotPool, wanted: int) -> bool:
         """Add a slab to `pool`, taking back empty slabs of other pools if that makes room."""
-        room = (self.budget_bytes - self.reserved_bytes) // pool.slot_bytes
+        room = (self.budget_bytes - self.reserved_bytes) // pool.stride
         if room < min(wanted, pool.slots_per_slab) and self.reclaim():
-            room = (self.budget_bytes - self.reserved_bytes) // pool.slot_bytes
+            room = (self.budget_bytes - self.reserved_bytes) // pool.stride
         slots = min(pool.slots_per_slab, room)
         if slots <= 0:
             return False
-        pool.add_slab(self.memory.allocate(slots, pool.slot_bytes))
-        self.reserved_bytes += slots * pool.slot_bytes
+        pool.add_slab(self.memory.allocate(slots, pool.stride))
+        self.reserved_bytes += slots * pool.stride
         return True

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from tiercache.errors import InvalidArgument
-from tiercache.tiers.arena import SlotArena
+from tiercache.tiers.arena import MIN_SLOT_BYTES, SlotArena
 
 GiB = 1 << 30
 
@@ -19,6 +19,7 @@ GiB = 1 << 30
 class DeviceConfig:
     budget_bytes: int = 4 * GiB
     slab_bytes: int = 1 * GiB
+    min_slot_bytes: int = MIN_SLOT_BYTES  # tiny entries are charged this much
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0 or self.slab_bytes <= 0:
@@ -38,4 +39,4 @@ class DeviceMemory:
 
 def device_arena(config: DeviceConfig, device: torch.device) -> SlotArena:
     slab_bytes = max(1, min(config.slab_bytes, config.budget_bytes // 4))
-    return SlotArena(config.budget_bytes, slab_bytes, DeviceMemory(device))
+    return SlotArena(config.budget_bytes, slab_bytes, DeviceMemory(device), config.min_slot_bytes)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.tiers.arena import SlotArena
+from tiercache.tiers.arena import MIN_SLOT_BYTES, SlotArena
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -18,6 +18,7 @@ class HostConfig:
     budget_bytes: int = 4 * GiB
     slab_bytes: int = 64 * MiB
     pin: bool | None = None  # None: page-locked when CUDA is available
+    min_slot_bytes: int = MIN_SLOT_BYTES  # tiny entries are charged this much
 
 
 class HostMemory:
@@ -55,4 +56,4 @@ def host_arena(config: HostConfig) -> SlotArena:
     pin = torch.cuda.is_available() if config.pin is None else config.pin
     # Small budgets get small slabs, so that room moves between entry sizes easily.
     slab_bytes = max(1, min(config.slab_bytes, config.budget_bytes // 4))
-    return SlotArena(config.budget_bytes, slab_bytes, HostMemory(pin))
+    return SlotArena(config.budget_bytes, slab_bytes, HostMemory(pin), config.min_slot_bytes)
