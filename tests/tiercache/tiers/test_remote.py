@@ -15,6 +15,7 @@ import pytest
 
 from tests.redis_cluster import Cluster, needs_redis, redis_cluster
 from tiercache import tenancy
+from tiercache.hashing import Namespace
 from tiercache.index import Kind
 from tiercache.tiers.remote import entry as fmt
 from tiercache.tiers.remote.entry import EntryRef
@@ -166,11 +167,12 @@ def test_two_namespaces_and_two_tenants_never_see_each_others_entries(cluster):
     mine.put(stored)
     assert theirs.exists([e.ref for e in stored]).present == [False, False]
     assert fetch(theirs, stored)[0] == [False, False]
-    # two tenants of one namespace: the daemon masks their keys (tenancy.py), so the same
-    # worker key names two different remote entries
+    # two tenants' namespaces on one cluster: the daemon masks keys per namespace
+    # (tenancy.py), so the same worker key names two different remote entries
     secret = os.urandom(tenancy.SECRET_BYTES)
     worker_key = np.frombuffer(os.urandom(16), "<u8").reshape(1, 2)
-    a, b = (tenancy.masked(worker_key, tenancy.tenant_mask(secret, t)).tobytes() for t in "ab")
+    roots = (Namespace("m", "layout", tenant).root() for tenant in ("acme", "globex"))
+    a, b = (tenancy.masked(worker_key, tenancy.namespace_mask(secret, r)).tobytes() for r in roots)
     mine.put([Entry(EntryRef(Kind.PAGE, a), 1, memoryview(b"x" * 100))])
     assert mine.exists([EntryRef(Kind.PAGE, b)]).present == [False]
     assert mine.exists([EntryRef(Kind.PAGE, a)]).present == [True]
