@@ -24,6 +24,7 @@ from tiercache.metrics import BUCKETS, HopStats
 
 PREFIX = "tiercache_"
 TIERS = tuple(t.name.lower() for t in Tier)
+LOCAL_TIERS = tuple(t.name.lower() for t in Tier if t != Tier.REMOTE)  # those that evict
 # Seconds: a Match over a Unix socket takes ~100 us, a large Store or a disk-bound Load
 # seconds.
 CALL_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
@@ -109,9 +110,9 @@ _LABELLED = {
     "matched_pages": {(t,): f"matched_pages_{t}" for t in TIERS},
     "matched_tokens": {(t,): f"matched_tokens_{t}" for t in TIERS},
     "matched_checkpoints": {(t,): f"matched_checkpoints_{t}" for t in TIERS},
-    "evictions": {**{(t, "capacity"): f"evicted_{t}" for t in TIERS},
-                  **{(t, "request"): f"evicted_{t}_by_request" for t in TIERS},
-                  **{(t, "damaged"): f"evicted_{t}_damaged" for t in TIERS}},
+    "evictions": {**{(t, "capacity"): f"evicted_{t}" for t in LOCAL_TIERS},
+                  **{(t, "request"): f"evicted_{t}_by_request" for t in LOCAL_TIERS},
+                  **{(t, "damaged"): f"evicted_{t}_damaged" for t in LOCAL_TIERS}},
     "admissions": {("page", "stored"): "stored_pages", ("page", "no_room"): "skipped_pages",
                    ("checkpoint", "stored"): "stored_checkpoints",
                    ("checkpoint", "declined"): "declined_checkpoints",

@@ -25,6 +25,7 @@ from tiercache import failpoints
 from tiercache.admission import admit, entry_values
 from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
+from tiercache.events import Change, EventLog
 from tiercache.hashing import Keys, distinct_keys, key_array
 from tiercache.index import Hit, Index, Kind, Match, StopReason, Tier
 from tiercache.keymap import KeyMap
@@ -32,12 +33,14 @@ from tiercache.layout import Layout
 from tiercache.metrics import Traffic, byte_counters, count_match, match_counters
 from tiercache.movement import Group, Movement, Transfer
 from tiercache.policy import PolicyConfig, make_policy
+from tiercache.remote import RemoteTier, RemoteTierConfig, local_view
 from tiercache.results import EngineStats, LoadResult, StoreResult, TierStats
 from tiercache.tiering import Tiering
 from tiercache.tiers.arena import SlotArena
 from tiercache.tiers.device import DeviceConfig, device_arena
 from tiercache.tiers.disk import DiskConfig, DiskTier
 from tiercache.tiers.host import HostConfig, host_arena
+from tiercache.tiers.remote.store import open_store
 from tiercache.transfer import CpuTransfer, CudaTransfer
 from tiercache.tuning import AlphaTuner
 
@@ -52,6 +55,7 @@ class EngineConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # a str names the eviction only
     copy_threads: int = 2
     evict_slack: float = 0.01  # an eviction frees at least this share of the tier's budget
+    remote: RemoteTierConfig | None = None  # a shared tier below the others (tiercache/remote.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):
@@ -106,6 +110,7 @@ class Engine:
         self.tiers = Tiering(index, host, disk, make_policy(policy), self.counters,
                              config.evict_slack, self._lock, self.tuner, self.traffic)
         self.moving = Movement(self.tiers, self.transfer, policy.writes, self._lock, self.counters)
+        self.remote: RemoteTier | None = None
 
     @classmethod
     def open(cls, config: EngineConfig = EngineConfig()) -> "Engine":
@@ -116,6 +121,10 @@ class Engine:
         if disk is not None:
             engine._rebuild(disk)
         engine.moving.start()
+        if config.remote is not None:
+            engine.remote = RemoteTier(config.remote, open_store(config.remote.store), engine.index,
+                                       engine.host, engine._lock, engine.traffic)
+            engine.remote.start()
         return engine
 
     def _rebuild(self, disk: DiskTier) -> None:
@@ -136,6 +145,8 @@ class Engine:
         with self._lock:
             self._check_open()
         self.moving.drain()
+        if self.remote is not None:  # and, with a remote tier, the stores written to it
+            self.remote.drain()
 
     def flush(self) -> int:
         """Write every host entry that is not on disk yet to disk (they stay in the host).
@@ -175,6 +186,8 @@ class Engine:
                     break
                 time.sleep(0.001)
         finally:
+            if self.remote is not None:  # its writer reads host slots: before they go
+                self.remote.close()
             self.moving.stop()
             with self._lock:
                 for cuda in self._cuda.values():
@@ -219,7 +232,8 @@ class Engine:
     def store(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
               checkpoints: Mapping[int, int] | None = None, ready: Any = None, *,
               checks: np.ndarray | None = None, alive: Alive | None = None,
-              durable: bool = False, timeout: float | None = None) -> StoreResult:
+              durable: bool = False, timeout: float | None = None,
+              remote: bool = True) -> StoreResult:
         """Store a prompt after prefill: its KV pages (keys[i] from rows[i]; none for a
         layout without paged buffers) and, of the checkpoints offered, {pages: state slot}
         (each the state after that many pages), those the admission policy keeps. The
@@ -233,7 +247,9 @@ class Engine:
         copied after that is dropped instead of published.
 
         `durable`: return only once every page of the chain and each checkpoint the result
-        names are committed to disk (within `timeout` seconds); raise if they cannot be."""
+        names are committed to disk (within `timeout` seconds); raise if they cannot be.
+        `remote`: with a remote tier, write the entries there too, in the background
+        (False keeps them local: a tenant or model configured to stay local)."""
         layout, chain = buffers.layout, distinct_keys(keys)
         checks = _checks(checks, chain)
         offered = dict(checkpoints or {})
@@ -268,6 +284,8 @@ class Engine:
             if pins:
                 with self._lock:
                     self.index.unpin(np.concatenate(pins))
+        if remote and self.remote is not None:
+            self._write_remote(layout, chain, result)
         return result
 
     def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],
@@ -478,15 +496,22 @@ class Engine:
         if given). With `prefetch`, the background thread starts promoting its disk entries
         to the host, so that the load that follows finds them there (a load of an entry
         still moving waits for it)."""
+        chain = distinct_keys(keys)
+        checks = _checks(checks, chain)
         with self._lock:
-            chain = distinct_keys(keys)
-            hit = self._match(layout, chain, _checks(checks, chain))
-            self.counters["matches"] += 1
-            self.counters["matched_pages"] += hit.match.pages
-            count_match(self.counters, hit.match, layout.page_tokens)
+            hit = self._match(layout, chain, checks)
             if prefetch and hit.match.pages:
                 self.counters["prefetches"] += self.moving.start_promotion(hit.rows)
-            return hit.match
+            local = self._local_beyond(layout, chain, checks, hit.match)
+        match = hit.match
+        if local is not None:  # outside the lock: the remote tier answers within its budget
+            extension = self.remote.extend(layout, chain, checks, local)
+            match = match if extension is None else extension.match
+        with self._lock:
+            self.counters["matches"] += 1
+            self.counters["matched_pages"] += match.pages
+            count_match(self.counters, match, layout.page_tokens)
+        return match
 
     def _match(self, layout: Layout, keys: np.ndarray, checks: np.ndarray | None = None) -> Hit:
         self._check_open()
@@ -518,7 +543,18 @@ class Engine:
             if slot is None:
                 raise InvalidArgument("this layout has slot buffers: give the state slot to load into")
             dst_slot = row_ids([slot], layout.slot_rows, "state slot")
-        damaged = 0
+        fetched = self._fetch_remote(layout, keys[:limit], None if checks is None else checks[:limit])
+        try:
+            return self._load(buffers, keys, checks, dst, dst_slot, limit, ready, asynchronous)
+        finally:
+            if len(fetched):
+                with self._lock:
+                    self.index.unpin(fetched)
+
+    def _load(self, buffers: WorkerBuffers, keys: np.ndarray, checks: np.ndarray | None,
+              dst: np.ndarray, dst_slot: np.ndarray, limit: int, ready: Any,
+              asynchronous: bool) -> LoadResult:
+        layout, damaged = buffers.layout, 0
         for _ in range(_LOAD_ATTEMPTS):
             with self._lock:
                 hit = self._match(layout, keys[:limit], None if checks is None else checks[:limit])
@@ -586,6 +622,49 @@ class Engine:
                     self.counters[f"evicted_{t.name.lower()}_by_request"] += int(inside.sum())
             return int(dropped.sum())
 
+    # -- the remote tier and KV events (issue 17): kept apart, to move with the core -------
+    def _local_beyond(self, layout: Layout, chain: np.ndarray, checks: np.ndarray | None,
+                      hit: Match):
+        """What the local tiers hold of a prompt whose local hit stops short, for the
+        remote tier to extend; None without a remote tier or when nothing is missing.
+        Call under the lock."""
+        if self.remote is None or hit.stop is StopReason.END_OF_PROMPT:
+            return None
+        return local_view(self.index, layout, chain, checks, hit)
+
+    def _fetch_remote(self, layout: Layout, chain: np.ndarray, checks: np.ndarray | None) -> np.ndarray:
+        """Bring the remote part of a prompt's match into host slots before a load; returns
+        the rows, pinned until the load ends."""
+        with self._lock:
+            hit = self._match(layout, chain, checks)
+            local = self._local_beyond(layout, chain, checks, hit.match)
+        extension = None if local is None else self.remote.extend(layout, chain, checks, local)
+        if extension is None:
+            return np.empty(0, np.int64)
+        rows = self.remote.fetch(extension, chain, layout,
+                                 lambda nbytes, count: self.tiers.reserve(nbytes, count))
+        with self._lock:
+            self.moving.stored(rows)  # host entries now: on to disk as the policy says
+        return rows
+
+    def _write_remote(self, layout: Layout, chain: np.ndarray, result: StoreResult) -> None:
+        """Queue a store's entries for the remote tier (skipped there if present)."""
+        assert self.remote is not None
+        if layout.needs_pages:
+            self.remote.write_soon(Kind.PAGE, chain)
+        if result.checkpoints:
+            self.remote.write_soon(Kind.CHECKPOINT, chain[np.array(result.checkpoints) - 1])
+
+    def attach_events(self, events: EventLog) -> None:
+        """Record every entry entering or leaving a tier (the remote one included) in
+        `events`, for KV event publishing."""
+        def observe(added: bool, kinds: np.ndarray, tier: Tier, keys: np.ndarray) -> None:
+            events.record_tier(Change.STORED if added else Change.REMOVED, kinds, tier, keys)
+        with self._lock:
+            self.index.observer = observe
+            if self.remote is not None:
+                self.remote.events = events
+
     def stats(self) -> EngineStats:
         with self._lock:
             tiers = [TierStats(Tier.HOST, self.index.count[Tier.HOST], self.host.used_bytes,
@@ -600,5 +679,7 @@ class Engine:
             counters["checksum_failures"] = self.disk.checksum_failures if self.disk else 0
             counters["disk_moved_aside"] = int(self.disk is not None and self.disk.moved_aside is not None)
             counters["collisions"] = self.index.collisions
+            if self.remote is not None:
+                counters.update(self.remote.stats())
             alpha = getattr(self.tiers.policy, "alpha", None)
             return EngineStats(tuple(tiers), counters, alpha)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -23,6 +23,7 @@ class Tier(enum.IntFlag):
     DEVICE = 1
     HOST = 2
     DISK = 4
+    REMOTE = 8  # the shared remote tier: in match results only, never in the index
 
 
 TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)  # best first
@@ -105,6 +106,9 @@ class Index:
         self.bytes = {t: 0 for t in TIERS}
         self.collisions = 0  # keys found whose entry's check did not match: misses
         self.foreign = 0  # keys found whose entry has another size (another layout): misses
+        # told (entered: bool, kinds, tier, keys) of every entry entering or leaving a tier,
+        # under the engine lock: for KV events (tiercache.events), which only append
+        self.observer: Callable[[bool, np.ndarray, Tier, np.ndarray], None] | None = None
 
     def _grow(self, capacity: int) -> None:
         old = self._capacity
@@ -259,12 +263,16 @@ class Index:
             cols["stamp"][rows] = stamp
         self.count[tier] += len(rows)
         self.bytes[tier] += int(cols["nbytes"][rows].sum())
+        if self.observer is not None and len(rows):
+            self.observer(True, cols["kind"][rows], tier, self.keys(rows))
 
     def unpublish(self, rows: np.ndarray, tier: Tier) -> None:
         """Remove `tier` from entries; an entry left in no tier leaves the index."""
         bit, cols = int(tier), self._cols
         assert np.all(cols["tiers"][rows] & bit), f"a row is not in {tier.name}"
         assert not np.any(cols["pins"][rows]), "a row is pinned by a load"
+        if self.observer is not None and len(rows):
+            self.observer(False, cols["kind"][rows], tier, self.keys(rows))
         cols["tiers"][rows] &= ~np.uint8(bit)
         self.count[tier] -= len(rows)
         self.bytes[tier] -= int(cols["nbytes"][rows].sum())

@@ -13,6 +13,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DEVICE: _ClassVar[Tier]
     TIER_HOST: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
 
 class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +25,7 @@ TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier
+TIER_REMOTE: Tier
 STOP_REASON_UNSPECIFIED: StopReason
 END_OF_PROMPT: StopReason
 MISSING_PAGE: StopReason

@@ -129,7 +129,7 @@ class RedisClusterStore:
     def put(self, entries: Sequence[Entry], seconds: float | None = None) -> Written:
         start = time.perf_counter()
         deadline = start + (self.config.put_seconds if seconds is None else seconds)
-        total = Written(0, 0, 0, 0)
+        total = Written(0, 0, 0, 0, ())
         for lo, hi in _batches([e.payload.nbytes for e in entries]):
             total += self._put_batch(entries[lo:hi], deadline)
         self._stats.add("puts", len(entries))
@@ -205,7 +205,7 @@ class RedisClusterStore:
         there = self._run([_Routed(k.meta, [("EXISTS", k.meta)]) for k in keys],
                           deadline - time.perf_counter())
         todo = [i for i, r in enumerate(there) if isinstance(r, list) and r[0] == 0]
-        present = sum(isinstance(r, list) and r[0] == 1 for r in there)
+        landed = [isinstance(r, list) and r[0] == 1 for r in there]
         parts = self._run([_Routed(keys[i].meta, [
             ("SET", part, entries[i].payload[a:b])
             for part, (a, b) in zip(keys[i].parts, fmt.part_spans(metas[i].nbytes, part_bytes))])
@@ -215,7 +215,11 @@ class RedisClusterStore:
                             for i in whole], deadline - time.perf_counter())
         stored = [i for i, r in zip(whole, sealed) if isinstance(r, list) and r[0] == b"OK"]
         nbytes = sum(entries[i].payload.nbytes for i in stored)
-        return Written(len(stored), present, len(entries) - present - len(stored), nbytes)
+        present = sum(landed)
+        for i in stored:
+            landed[i] = True
+        return Written(len(stored), present, len(entries) - present - len(stored), nbytes,
+                       tuple(landed))
 
     # -- routing and pipelines ------------------------------------------------------------
     def _run(self, routed: Sequence[_Routed], seconds: float) -> list[list[Any] | Failure]:

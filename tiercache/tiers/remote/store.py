@@ -139,10 +139,12 @@ class Written:
     present: int  # entries already in the store (not written again)
     skipped: int  # entries not written: a failure, or no answer within the budget
     nbytes: int  # bytes written
+    landed: tuple[bool, ...] = ()  # per entry: in the store now (written or present)
 
     def __add__(self, other: "Written") -> "Written":
         return Written(self.stored + other.stored, self.present + other.present,
-                       self.skipped + other.skipped, self.nbytes + other.nbytes)
+                       self.skipped + other.skipped, self.nbytes + other.nbytes,
+                       self.landed + other.landed)
 
 
 class RemoteStore(Protocol):
