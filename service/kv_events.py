@@ -142,6 +142,7 @@ class KvEventPublisher:
             by_topic.setdefault(topic, []).append(kv_encoding.event(blocks))
         for topic, events in by_topic.items():
             self._send(pub, topic, kv_encoding.batch(events, self.config.data_parallel_rank))
+        self.events.batches += len(by_topic)
 
     def _topic(self, model: str, remote: bool) -> str:
         pod = self.config.remote_pod if remote else self.config.topic_pod()

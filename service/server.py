@@ -28,6 +28,8 @@ from service.auth import Authenticator, load_tenants
 from service.config import ServiceConfig
 from service.endpoints import Endpoints
 from service.errors import ErrorInterceptor
+from service.fleet import Fleet, names
+from service.kv_events import KvEventPublisher
 from service.logs import redacted
 from service.metrics import registry_for
 from service.observe import ObservingInterceptor
@@ -35,6 +37,8 @@ from service.servicer import TiercacheServicer
 from service.workers import WorkerRegistry
 from tiercache import failpoints, tenancy
 from tiercache.engine import Engine
+from tiercache.events import EventLog
+from tiercache.remote import remote_namespace
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tiercache.service")
@@ -53,6 +57,7 @@ class Daemon:
     health: health.HealthServicer
     addresses: list[str]
     endpoints: Endpoints = field(default_factory=Endpoints)  # metrics, health-only listener
+    publisher: KvEventPublisher | None = None  # KV events for routers, if on
 
     def stop(self) -> None:
         self.health.enter_graceful_shutdown()  # every service NOT_SERVING, from now on
@@ -63,6 +68,8 @@ class Daemon:
         self.servicer.registry.remove_all()
         self.endpoints.stop_metrics()  # it reads the engine, which closes now
         self.engine.close(flush=self.config.flush_on_exit)
+        if self.publisher is not None:  # after the engine: its last changes go out too
+            self.publisher.stop()
         if os.path.exists(self.config.socket_path):
             os.unlink(self.config.socket_path)
 
@@ -87,11 +94,12 @@ def start(config: ServiceConfig) -> Daemon:
     auth = Authenticator(load_tenants(config.tenants_file), config.socket_tenant,
                          config.require_identity, config.hash)
     os.makedirs(config.data_dir, exist_ok=True)
-    secret = tenancy.load_secret(os.path.join(config.data_dir, "secret"))
-    engine = Engine.open(config.engine())
+    secret = tenancy.load_secret(config.secret_path)
+    engine = Engine.open(config.engine(remote_namespace(secret)))
+    fleet, publisher = _fleet(config, engine)
     registry = WorkerRegistry(config.max_workers, engine.quiesce, secret,
                               config.max_workers_per_tenant)
-    servicer = TiercacheServicer(engine, registry, config.max_prompt_pages, auth)
+    servicer = TiercacheServicer(engine, registry, config.max_prompt_pages, auth, fleet)
     metrics, call_metrics = registry_for(engine, registry.__len__, registry.ipc_allocations)
     # every registered worker holds one stream (and one thread) open for its lifetime
     calls = config.max_concurrent_rpcs + config.max_workers
@@ -116,13 +124,26 @@ def start(config: ServiceConfig) -> Daemon:
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    daemon = Daemon(config, engine, server, servicer, health_servicer, addresses)
+    daemon = Daemon(config, engine, server, servicer, health_servicer, addresses,
+                    publisher=publisher)
     try:
         daemon.endpoints = Endpoints.start(config, metrics, health_servicer)
     except BaseException:
         daemon.stop()
         raise
     return daemon
+
+
+def _fleet(config: ServiceConfig, engine: Engine) -> tuple[Fleet, KvEventPublisher | None]:
+    """What stores share beyond this node: KV events (started here) and the remote tier's
+    local-only tenants and models."""
+    events, publisher = None, None
+    if config.kv_events:
+        events = EventLog()
+        engine.attach_events(events)
+        publisher = KvEventPublisher(config.kv_events_config(), events).start()
+    return Fleet(events, config.kv_events_tenant, names(config.remote_local_tenants),
+                 names(config.remote_local_models)), publisher
 
 
 def _bind_tcp(server: grpc.Server, config: ServiceConfig) -> str:

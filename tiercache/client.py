@@ -24,7 +24,7 @@ that marks the bytes in place (pass `synchronous=True` to wait on the host inste
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 import grpc
@@ -34,7 +34,8 @@ import torch
 from tiercache.buffers import WorkerBuffers
 from tiercache.engine import Engine, EngineConfig, LoadResult, StoreResult, TierStats
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
-from tiercache.hashing import Keys, Namespace, PageKey, key_array, page_chain, page_keys
+from tiercache.hashing import (Keys, Namespace, PageKey, key_array, page_chain, page_keys,
+                               token_array)
 from tiercache.index import Match, Tier
 from tiercache.layout import Layout
 from tiercache.shm import SharedBuffers
@@ -80,6 +81,7 @@ class Request:
 
     keys: bytes
     checks: bytes = b""
+    tokens: bytes = b""  # stores that publish their tokens in KV events only
 
 
 class Backend(Protocol):
@@ -128,17 +130,26 @@ class Worker:
         return self._backend.load(self._packed(tokens, keys), list(kv_rows), slot, synchronous)
 
     def store(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
-              checkpoints: Mapping[int, int] | None = None, durable: bool = False) -> StoreResult:
+              checkpoints: Mapping[int, int] | None = None, durable: bool = False,
+              publish_tokens: bool = False) -> StoreResult:
         """Store the prompt's pages from kv_rows and the checkpoints offered, {token position:
         state slot}, each position a multiple of the page size. With `durable`, return only
-        once they are committed to disk (they survive the daemon crashing)."""
+        once they are committed to disk (they survive the daemon crashing). With
+        `publish_tokens`, the daemon's KV events carry the prompt's tokens (routers such as
+        llm-d's indexer hash tokens themselves; without them, events carry keys only)."""
         page = self.layout.page_tokens
         bad = [p for p in (checkpoints or {}) if p <= 0 or p % page]
         if bad:
             raise InvalidArgument(f"checkpoint position {bad[0]} is not a positive multiple of the "
                                   f"page size {page}: states are kept at page boundaries only")
         pages = {p // page: slot for p, slot in (checkpoints or {}).items()}
-        return self._backend.store(self._packed(tokens, keys), list(kv_rows), pages, durable)
+        request = self._packed(tokens, keys)
+        if publish_tokens:
+            if tokens is None:
+                raise InvalidArgument("publish_tokens needs the tokens: store by tokens, not keys")
+            whole = token_array(tokens)[:len(request.keys) // 16 * page]
+            request = replace(request, tokens=whole.tobytes())
+        return self._backend.store(request, list(kv_rows), pages, durable)
 
     def evict(self, tokens: Any = None, *, keys: Keys | None = None, tier: Tier | None = None) -> int:
         return self._backend.evict(self._packed(tokens, keys), tier)
@@ -207,7 +218,7 @@ class _Remote:
               durable: bool) -> StoreResult:
         ready = _ready_event(self._device)
         request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                  kv_rows=rows, durable=durable,
+                                  kv_rows=rows, durable=durable, event_tokens=prompt.tokens,
                                   ready_event=ready.ipc_handle() if ready else b"",
                                   checkpoints=[pb.Checkpoint(pages=n, slot=s)
                                                for n, s in sorted(checkpoints.items())])

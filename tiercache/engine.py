@@ -111,6 +111,7 @@ class Engine:
                              config.evict_slack, self._lock, self.tuner, self.traffic)
         self.moving = Movement(self.tiers, self.transfer, policy.writes, self._lock, self.counters)
         self.remote: RemoteTier | None = None
+        self.events: EventLog | None = None  # KV events, once attached
 
     @classmethod
     def open(cls, config: EngineConfig = EngineConfig()) -> "Engine":
@@ -662,6 +663,7 @@ class Engine:
             events.record_tier(Change.STORED if added else Change.REMOVED, kinds, tier, keys)
         with self._lock:
             self.index.observer = observe
+            self.events = events
             if self.remote is not None:
                 self.remote.events = events
 
@@ -681,5 +683,8 @@ class Engine:
             counters["collisions"] = self.index.collisions
             if self.remote is not None:
                 counters.update(self.remote.stats())
+            if self.events is not None:
+                counters.update(kv_event_batches=self.events.batches,
+                                kv_events_dropped=self.events.dropped)
             alpha = getattr(self.tiers.policy, "alpha", None)
             return EngineStats(tuple(tiers), counters, alpha)

@@ -100,6 +100,7 @@ class EventLog:
         self._pending_keys = 0
         self._lost = False
         self.dropped = 0  # changes dropped for a full queue, since the start
+        self.batches = 0  # batches the reader published (it counts them here)
         self._lineage = _Lineage(config.lineage_keys)
         self._models: dict[str, int] = {}
         self._tokens: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()

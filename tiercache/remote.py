@@ -16,6 +16,8 @@ Every failure of the store is a miss or a skipped write (tiers/remote).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import threading
 import time
 from collections import deque
@@ -52,6 +54,12 @@ class Extension:
     match: Match
     pages: list[tuple[int, Meta]]  # (position in the prompt, metadata) of remote pages
     checkpoint: tuple[int, Meta] | None  # of the remote checkpoint the match ends on
+
+
+def remote_namespace(secret: bytes) -> str:
+    """The remote namespace of daemons that share `secret`: they mask keys alike, so they
+    can share entries; daemons with other secrets never meet theirs."""
+    return hmac.new(secret, b"tiercache/remote-namespace/v1", hashlib.sha256).hexdigest()[:16]
 
 
 def present(index: Index, kind: Kind, keys: np.ndarray, nbytes: int,
@@ -272,4 +280,9 @@ class RemoteTier:
         self.store.close()
 
     def stats(self) -> dict[str, int | float]:
-        return {**self.counters, **self.store.stats()}
+        store = self.store.stats()
+        with self.lock:
+            counters = dict(self.counters)
+        return {**counters, **store,
+                "remote_lookup_misses": store["remote_lookups"] - store["remote_lookup_hits"],
+                "remote_writes_skipped": store["remote_put_skipped"] + counters["remote_write_skipped"]}

@@ -68,7 +68,7 @@ def test_every_adapter_implements_the_whole_contract():
     # LMCache's rule for its connectors: each adapter has every call of the interface
     wanted = {name for name, _ in inspect.getmembers(RemoteStore, inspect.isfunction)
               if not name.startswith("_")}
-    assert wanted == {"exists", "get", "put", "delete", "stats", "close"}
+    assert wanted == {"exists", "get", "put", "delete", "stats", "latency", "close"}
     for adapter in (RedisClusterStore,):
         for name in wanted:
             assert inspect.signature(getattr(adapter, name)).parameters.keys() == \

@@ -164,6 +164,10 @@ class RemoteStore(Protocol):
     def stats(self) -> dict[str, int | float]:
         """Counters since the store opened (RemoteStats.snapshot)."""
 
+    def latency(self) -> dict[str, tuple[list[int], int, float]]:
+        """Per operation: (histogram bucket counts over metrics.BUCKETS, +Inf last;
+        calls; seconds)."""
+
     def close(self) -> None:
         """Close connections; the store is unusable afterwards."""
 
