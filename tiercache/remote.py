@@ -279,7 +279,7 @@ class RemoteTier:
         self.writer.stop()
         self.store.close()
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int]:
         store = self.store.stats()
         with self.lock:
             counters = dict(self.counters)

@@ -213,3 +213,34 @@ def test_a_port_in_use_is_refused_with_a_message():
         first.stop()
     with pytest.raises(ValueError, match="tcp://"):
         KvEventsConfig("localhost:5557")
+
+
+def test_a_daemon_publishes_a_workers_store_with_its_tokens_when_asked(tmp_path):
+    from tests.service.daemon import running_daemon
+    from tests.service.worker_process import LAYOUT, prompt
+    from tiercache.client import Client
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with running_daemon(tmp_path, "--kv-events", endpoint, "--kv-events-pod", "pod-1") as (address, _):
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@pod-1@")
+        sub.connect(endpoint)
+        time.sleep(0.3)
+        worker = Client(address).register("m1", LAYOUT)
+        tokens = prompt(0)  # 6 full pages of 16 tokens and 5 more
+        worker.store(tokens, kv_rows=range(6), checkpoints={96: 0}, publish_tokens=True)
+        worker.store(prompt(1), kv_rows=range(6, 12))  # without tokens: hashes only
+        events = []
+        while len(events) < 3 and sub.poll(10_000):
+            topic, _, payload = sub.recv_multipart()
+            assert topic == b"kv@pod-1@m1"
+            msgspec.msgpack.decode(payload, type=KVEventBatch)
+            events += msgpack.unpackb(payload)[1]
+        worker.close()
+        sub.close(linger=0)
+    pages, checkpoint, untold = events
+    assert (pages["medium"], pages["block_size"], len(pages["block_hashes"])) == ("CPU", 16, 6)
+    assert pages["token_ids"] == tokens[:96] and pages["parent_block_hash"] is None
+    assert checkpoint["kv_cache_spec_kind"] == "mamba" and checkpoint["token_ids"] == tokens[80:96]
+    assert checkpoint["parent_block_hash"] == pages["block_hashes"][4]
+    assert untold["token_ids"] == [] and len(untold["block_hashes"]) == 6

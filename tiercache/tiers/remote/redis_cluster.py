@@ -155,7 +155,7 @@ class RedisClusterStore:
         self._stats.timed("delete", time.perf_counter() - start)
         return gone
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int]:
         return self._stats.snapshot()
 
     def latency(self) -> dict[str, tuple[list[int], int, float]]:

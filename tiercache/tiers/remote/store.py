@@ -161,7 +161,7 @@ class RemoteStore(Protocol):
     def delete(self, refs: Sequence[EntryRef], seconds: float | None = None) -> int:
         """Remove entries (metadata first); returns how many were there."""
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int]:
         """Counters since the store opened (RemoteStats.snapshot)."""
 
     def latency(self) -> dict[str, tuple[list[int], int, float]]:
@@ -206,12 +206,12 @@ class RemoteStats:
             hist.total += 1
             hist.seconds += seconds
 
-    def snapshot(self) -> dict[str, int | float]:
+    def snapshot(self) -> dict[str, int]:
         with self._lock:
-            flat: dict[str, int | float] = {f"remote_{k}": v for k, v in self._counts.items()}
+            flat: dict[str, int] = {f"remote_{k}": v for k, v in self._counts.items()}
             for op, hist in self._latency.items():
                 flat[f"remote_{op}_calls"] = hist.total
-                flat[f"remote_{op}_seconds"] = hist.seconds
+                flat[f"remote_{op}_us"] = int(hist.seconds * 1e6)  # counters are integers
             return flat
 
     def latency(self) -> dict[str, tuple[list[int], int, float]]:
