@@ -17,6 +17,7 @@ import zmq
 from tests.redis_cluster import needs_redis, redis_cluster
 from tests.service.daemon import ROOT, running_daemon
 from tests.service.worker_process import LAYOUT, PAGES, prompt
+from service.stats_cli import render
 from tiercache.client import Client
 from tiercache.index import Tier
 
@@ -70,8 +71,10 @@ def test_a_prompt_stored_through_daemon_a_is_loaded_byte_for_byte_through_daemon
             probe.close()
             # another worker process loads them through B, into other rows: byte for byte
             assert worker("load", b, "21", str(PROMPTS)).split() == ["ok", "0", "ok", "1", "ok", "2"]
-            counters = Client(b).stats().counters
+            stats = Client(b).stats()
+            counters = stats.counters
             assert counters["remote_fetched"] == entries and counters["remote_get_hits"] == entries
+            assert f"fetched {entries}" in render(b, stats)  # tiercache stats shows the tier
             topics = _topics(sub, want={"kv@node-a:5557@test-model", "kv@tiercache-remote@test-model"})
             sub.close(linger=0)
     # A published its host stores and its remote writes, under the remote pseudo pod

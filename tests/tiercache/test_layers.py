@@ -13,6 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 ALLOWED = {
     "tiercache/tiers/remote": ("tiercache.errors", "tiercache.hashing", "tiercache.index",
                                "tiercache.metrics", "tiercache.tiers.remote"),
+    "tiercache/remote.py": ("tiercache.background", "tiercache.events", "tiercache.hashing",
+                            "tiercache.index", "tiercache.layout", "tiercache.metrics",
+                            "tiercache.tiers.arena", "tiercache.tiers.remote"),
+    "service/fleet.py": ("service.workers", "tiercache.errors", "tiercache.events"),
     "tiercache/events.py": ("tiercache.hashing", "tiercache.index", "tiercache.keymap"),
     "service/kv_encoding.py": ("tiercache.events", "tiercache.index"),
     "service/kv_events.py": ("service.kv_encoding", "tiercache.errors", "tiercache.events"),
