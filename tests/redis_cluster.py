@@ -149,6 +149,23 @@ def _start_node(directory: Path, port: int, maxmemory: str, policy: str) -> Node
     return Node(port, directory, process)
 
 
+def _ready_node(directory: Path, maxmemory: str, policy: str, attempts: int = 3) -> Node:
+    """A node that answers PING. A port picked free may be taken before redis binds it
+    (tests run beside other processes): then it tries another."""
+    for attempt in range(attempts):
+        node = _start_node(directory, free_ports(1)[0], maxmemory, policy)
+        try:
+            _wait(lambda: not node.alive or node.cli("ping", check=False) == "PONG",
+                  f"redis on {node.port}", seconds=15)
+        except RuntimeError:
+            pass
+        if node.alive and node.cli("ping", check=False) == "PONG":
+            return node
+        node.kill()
+        (directory / "nodes.conf").unlink(missing_ok=True)
+    raise RuntimeError(f"redis-server did not start in {attempts} attempts: see {directory}/redis.log")
+
+
 def _wait(condition, what: str, seconds: float = 30.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -163,10 +180,8 @@ def redis_cluster(directory: Path, masters: int = 3, maxmemory: str = "512mb",
     """A cluster of `masters` nodes without replicas; stopped at the end."""
     cluster = Cluster()
     try:
-        for i, port in enumerate(free_ports(masters)):
-            cluster.nodes.append(_start_node(directory / f"node{i}", port, maxmemory, policy))
-        for node in cluster.nodes:
-            _wait(lambda: node.cli("ping", check=False) == "PONG", f"redis on {node.port}")
+        for i in range(masters):
+            cluster.nodes.append(_ready_node(directory / f"node{i}", maxmemory, policy))
         subprocess.run(["redis-cli", "--cluster", "create", *(n.address for n in cluster.nodes),
                         "--cluster-replicas", "0", "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)

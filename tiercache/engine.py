@@ -636,6 +636,8 @@ class Engine:
     def _fetch_remote(self, layout: Layout, chain: np.ndarray, checks: np.ndarray | None) -> np.ndarray:
         """Bring the remote part of a prompt's match into host slots before a load; returns
         the rows, pinned until the load ends."""
+        if self.remote is None:
+            return np.empty(0, np.int64)
         with self._lock:
             hit = self._match(layout, chain, checks)
             local = self._local_beyond(layout, chain, checks, hit.match)
