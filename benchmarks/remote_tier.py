@@ -28,11 +28,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import torch
 from redis.cluster import RedisCluster
 
 from benchmarks.common import median_seconds, print_summary, print_table
 from tests.redis_cluster import Cluster, redis_cluster
+from tiercache.buffers import WorkerBuffers
+from tiercache.engine import Engine, EngineConfig
+from tiercache.hashing import Namespace, page_keys
 from tiercache.index import Kind
+from tiercache.layout import BufferSpec, Layout
+from tiercache.remote import RemoteTierConfig
+from tiercache.tiers.host import HostConfig
 from tiercache.tiers.remote import entry as fmt
 from tiercache.tiers.remote import redis_cluster as adapter
 from tiercache.tiers.remote.entry import EntryRef
@@ -140,6 +147,39 @@ def lookup(cluster: Cluster, count: int) -> tuple[float, float, float]:
     return exists_s, ping_s, per_node
 
 
+def engine_match(cluster: Cluster, pages: int = 1024) -> tuple[float, float, float]:
+    """(seconds of a local Match of a `pages`-page prompt whose first half is local, the
+    same Match consulting the remote tier for the second half, pipelines per node that
+    Match sent)."""
+    layout = Layout(16, paged=(BufferSpec("kv", pages, (16, 8), "bfloat16"),),
+                    slots=(BufferSpec("state", 2, (64,), "float32"),))
+    gen = torch.Generator().manual_seed(0)
+    worker = WorkerBuffers.bind(layout, [torch.randint(0, 99, (pages, 16, 8), generator=gen).bfloat16()],
+                                [torch.zeros(2, 64)])
+    keys = page_keys(list(range(pages * 16)), Namespace("m", layout.fingerprint).root(), 16)
+    remote = RemoteTierConfig(RemoteConfig(cluster.url, namespace="match", lookup_seconds=5))
+    writer = Engine.open(EngineConfig(host=HostConfig(budget_bytes=256 * MiB), remote=remote))
+    writer.store(worker, keys, list(range(pages)), checkpoints={pages: 0})
+    writer.drain()
+    writer.close(flush=False)
+    local = Engine.open(EngineConfig(host=HostConfig(budget_bytes=256 * MiB)))
+    shared = Engine.open(EngineConfig(host=HostConfig(budget_bytes=256 * MiB), remote=remote))
+    for engine in (local, shared):
+        engine.store(worker, keys[:pages // 2], list(range(pages // 2)),
+                     checkpoints={pages // 2: 0}, remote=False)
+    assert shared.match(layout, keys).pages == pages and local.match(layout, keys).pages == pages // 2
+    sent: list[str] = []
+    store = shared.remote.store
+    original = store._pipeline
+    store._pipeline = lambda node, commands: (sent.append(node.name), original(node, commands))[1]
+    shared.match(layout, keys)
+    store._pipeline = original
+    local_s = median_seconds(lambda: local.match(layout, keys), repeat=21)
+    shared_s = median_seconds(lambda: shared.match(layout, keys), repeat=21)
+    local.close(flush=False), shared.close(flush=False)
+    return local_s, shared_s, len(sent) / len(set(sent))
+
+
 def _flush(cluster: Cluster) -> None:
     for node in cluster.nodes:
         node.cli("flushall")
@@ -166,6 +206,7 @@ def main() -> None:
             summary[f"store_ratio_{tag}"] = peer_put / our_put
             summary[f"load_ratio_{tag}"] = peer_get / our_get
         exists_s, ping_s, per_node = lookup(cluster, 1024)
+        local_s, shared_s, match_per_node = engine_match(cluster)
     print_table(f"remote tier on a 3-node Redis Cluster on loopback, {total // MiB} MiB a size "
                 "(MiB/s; ratio = ours / redis-py peer)",
                 ["entries", "n", "store", "peer", "ratio", "load", "peer", "ratio"], rows)
@@ -173,7 +214,16 @@ def main() -> None:
                 ["what", "microseconds"],
                 [("exists()", exists_s * 1e6), ("one PING per node, at once", ping_s * 1e6),
                  ("pipelines per node per exists()", per_node)])
-    summary.update(lookup_us=exists_s * 1e6, ping_us=ping_s * 1e6, pipelines_per_node=per_node)
+    print_table("Match of a 1,024-page prompt whose first 512 pages are local, the rest remote",
+                ["what", "microseconds"],
+                [("local Match (no remote tier)", local_s * 1e6),
+                 ("Match consulting the remote tier", shared_s * 1e6),
+                 ("added by the remote tier", (shared_s - local_s) * 1e6),
+                 ("one PING per node, at once", ping_s * 1e6),
+                 ("pipelines per node per Match", match_per_node)])
+    summary.update(lookup_us=exists_s * 1e6, ping_us=ping_s * 1e6, pipelines_per_node=per_node,
+                   match_local_us=local_s * 1e6, match_remote_us=shared_s * 1e6,
+                   match_pipelines_per_node=match_per_node)
     print_summary(**summary)
 
 
