@@ -1,16 +1,26 @@
 """Fuzz every RPC with structure-aware random messages (hypothesis), then with raw bytes.
 
 Structured: the servicer runs in this process behind the daemon's error interceptor, on
-a real engine (host and disk tiers), a registry with a secret and a tenants config.
-Hypothesis builds each RPC's message field by field: worker ids that exist, belong to
-another tenant or do not; keys and checks of every length, and those of stored prompts;
-row ids, slots and checkpoints in and out of range; layouts with odd shapes, sizes and
-dtypes; buffer locations naming this fuzzer's shared memory, missing objects, paths and
-CUDA handles; credentials that are valid, another tenant's, malformed or absent;
-deadlines already past. An input fails the run if its call raises anything but a
-deliberate abort, or aborts with INTERNAL or UNKNOWN (an exception nobody meant). Every
-few hundred inputs the engine's books are checked, and at the end a stored prompt must
-still load exactly.
+a real engine (host and disk tiers), a registry with a secret and a tenants config, and
+the real buffer handover on a Unix socket. Two tenants each register workers of two
+layouts (four namespaces, each worker with shared memory of its own). Hypothesis builds
+each RPC's message field by field: worker ids that exist, belong to another tenant or do
+not; keys of the caller's prompts, of *other namespaces'* prompts, with a key repeated,
+or random; checks that fit or not; row ids, slots and checkpoints in and out of range;
+layouts with odd shapes, sizes and dtypes; tickets fresh, spent or made up, and CUDA
+handles; credentials valid, another tenant's, malformed or absent; deadlines past.
+
+Three oracles watch every input:
+- statuses: a call must end with a reply or a deliberate status, never an exception
+  nobody meant (INTERNAL, UNKNOWN);
+- isolation: before a store the fuzzer writes into the rows it names bytes that are a
+  function of the storing namespace and each key (and remembers a hash of each entry
+  offered). After every load, each loaded page and checkpoint must be one that *this*
+  namespace offered under *that* key, and every other row and slot of the caller must be
+  unchanged; a load that fails changes nothing. A byte of any other namespace, layout or
+  key is a foreign byte: the run fails;
+- the books: tiercache.invariants after every call (keys map to their own rows, counts,
+  slots, pins).
 
 Raw: random bytes as the request of each method, to a daemon process: the daemon must
 answer each call (grpc's INTERNAL for what it cannot parse is fine) and keep serving.
@@ -31,18 +41,22 @@ from pathlib import Path
 import grpc
 import numpy as np
 import hypothesis
+import torch
+import xxhash
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.common import print_summary, print_table
 from service.auth import Authenticator, Tenant, _digest
 from service.errors import ErrorInterceptor
+from service.handover import Handover
 from service.servicer import TiercacheServicer
 from service.workers import WorkerRegistry
 from tests.reliability import keyed, prompts
+from tiercache import invariants
 from tiercache.engine import Engine, EngineConfig
 from tiercache.hashing import page_chain
-from tiercache.index import Tier
+from tiercache.layout import BufferSpec, Layout
 from tiercache.shm import SharedBuffers
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
@@ -54,7 +68,15 @@ ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
            grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAUTHENTICATED,
            grpc.StatusCode.PERMISSION_DENIED}
 TOKENS = {"acme": "acme-token", "beta": "beta-token"}
+# a second layout per tenant: pages four times as large, a checkpoint of another size
+LARGE = Layout(prompts.PAGE, paged=(BufferSpec("kv0", 4 * prompts.PAGES, (prompts.PAGE, 2, 32),
+                                               "bfloat16"),),
+               slots=(BufferSpec("ssm", 4, (16, 16), "float32"),))
+LAYOUTS = {"small": prompts.LAYOUT, "large": LARGE}
+NAMESPACES = [(tenant, name) for tenant in TOKENS for name in LAYOUTS]
+PROMPTS = 6  # prompts per namespace, sharing prefixes by family
 MAX_PAGES = 256
+FRESH = b"fresh-ticket"  # replaced by the ticket of a real handover when the call is made
 
 
 class Aborted(Exception):
@@ -97,15 +119,39 @@ class Context:
             callback()
 
 
+def token_context(tenant: str) -> Context:
+    return Context((("authorization", f"Bearer {TOKENS[tenant]}"),), "unix:", [], None)
+
+
+@dataclass
+class Worker:
+    """One registered worker of the fuzzer's: its namespace, buffers and prompts' keys."""
+
+    tenant: str
+    layout: Layout
+    id: str
+    shared: SharedBuffers
+    keys: list[list[bytes]]  # per prompt, as this worker sends them
+    checks: list[bytes]
+
+    @property
+    def rows(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        rows = keyed.byte_rows(self.shared.tensors)  # layout order: paged, then slots
+        return rows[:len(self.layout.paged)], rows[len(self.layout.paged):]
+
+
 @dataclass
 class World:
     servicer: TiercacheServicer
     engine: Engine
-    shared: SharedBuffers
-    workers: dict[str, str]  # tenant -> worker id registered at the start
-    keys: list[bytes]  # packed keys of the stored prompt, as acme's worker sends them
-    checks: bytes
+    handover: Handover
+    workers: dict[tuple[str, str], Worker]  # by namespace: (tenant, layout name)
     handlers: dict = field(default_factory=dict)
+    offered: dict = field(default_factory=lambda: collections.defaultdict(set))
+    spare: list = field(default_factory=list)  # shared memory of fuzzed registrations
+
+    def owner(self, worker_id: str) -> Worker | None:
+        return next((w for w in self.workers.values() if w.id == worker_id), None)
 
 
 def guarded(servicer: TiercacheServicer, method: str, streaming: bool):
@@ -120,56 +166,92 @@ def guarded(servicer: TiercacheServicer, method: str, streaming: bool):
     return wrapped.unary_stream if streaming else wrapped.unary_unary
 
 
-def locations(shared: SharedBuffers) -> list[pb.BufferLocation]:
+def locations(shared: SharedBuffers, ticket: bytes) -> list[pb.BufferLocation]:
     return [pb.BufferLocation(name=p.spec.name, nbytes=p.nbytes,
-                              shm=pb.SharedMemoryBuffer(name=shared.name, offset=p.offset))
+                              shm=pb.SharedMemoryBuffer(ticket=ticket, offset=p.offset))
             for p in shared.placements]
 
 
 def build_world(folder: Path) -> World:
-    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=1 << 20, pin=False),
-                                      disk=DiskConfig(str(folder / "lmdb"), map_size=1 << 26, sync=False)))
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=1 << 18, pin=False),
+                                      disk=DiskConfig(str(folder / "lmdb"), map_size=1 << 22, sync=False)))
     tenants = {name: Tenant(name, (_digest(token),), (f"{name}-worker",))
                for name, token in TOKENS.items()}
-    registry = WorkerRegistry(16, engine.quiesce, secret=b"s" * 32, max_per_tenant=6)
+    handover = Handover(str(folder / "handover.sock")).start()
+    registry = WorkerRegistry(16, engine.quiesce, secret=b"s" * 32, max_per_tenant=6,
+                              tickets=handover)
     servicer = TiercacheServicer(engine, registry, MAX_PAGES, Authenticator(tenants))
-    shared = SharedBuffers.create(prompts.LAYOUT)
-    workers = {}
-    for tenant, token in TOKENS.items():
-        context = Context((("authorization", f"Bearer {token}"),), "unix:", [], None)
-        reply = next(servicer.Register(pb.RegisterRequest(
-            model_id=prompts.MODEL, layout=layout_to_proto(prompts.LAYOUT),
-            buffers=locations(shared)), context))
-        workers[tenant] = reply.worker_id
-        if tenant == "acme":
-            root = reply.namespace_root
-    chain = page_chain(prompts.tokens(0), root, prompts.PAGE)
-    world = World(servicer, engine, shared, workers, chain.keys, chain.checks.tobytes())
+    world = World(servicer, engine, handover, {})
     for method in ("Match", "Load", "Store", "Evict", "Stats", "Unregister"):
         world.handlers[method] = guarded(servicer, method, False)
     world.handlers["Register"] = guarded(servicer, "Register", True)
-    store_prompt(world)
+    for tenant, name in NAMESPACES:
+        layout = LAYOUTS[name]
+        shared = SharedBuffers.create(layout)
+        reply = next(servicer.Register(pb.RegisterRequest(
+            model_id=prompts.MODEL, layout=layout_to_proto(layout),
+            buffers=locations(shared, shared.hand_over(handover.path))), token_context(tenant)))
+        chains = [page_chain(prompts.tokens(p), reply.namespace_root, prompts.PAGE)
+                  for p in range(PROMPTS)]
+        world.workers[tenant, name] = Worker(tenant, layout, reply.worker_id, shared,
+                                             [c.keys for c in chains],
+                                             [c.checks.astype("<u8").tobytes() for c in chains])
     return world
 
 
-def buffers(world: World) -> tuple[list, list]:
-    rows = keyed.byte_rows(world.shared.tensors)  # kv0, kv1, ssm: layout order
-    return rows[:2], rows[2:]
+def digest(entry: np.ndarray) -> int:
+    return xxhash.xxh3_64_intdigest(entry.tobytes())
 
 
-def store_prompt(world: World) -> None:
-    """acme's prompt 0, stored afresh with keyed content."""
-    keys = b"".join(world.keys)
-    call(world, "Evict", pb.EvictRequest(worker_id=world.workers["acme"], keys=keys), acme_context())
-    keyed.fill(*buffers(world), world.keys, list(range(prompts.PAGES)), 0)
-    call(world, "Store", pb.StoreRequest(worker_id=world.workers["acme"], keys=keys,
-                                         checks=world.checks, kv_rows=range(prompts.PAGES),
-                                         checkpoints=[pb.Checkpoint(pages=prompts.PAGES, slot=0)]),
-         acme_context())
+def content(worker: Worker, key: bytes, kind: bytes, nbytes: int) -> np.ndarray:
+    """What `worker` writes for an entry: a function of its namespace and the key."""
+    return keyed.content(f"{worker.tenant}/{worker.layout.fingerprint}".encode() + key, kind, nbytes)
 
 
-def acme_context() -> Context:
-    return Context((("authorization", f"Bearer {TOKENS['acme']}"),), "unix:", [], None)
+def prepare_store(world: World, worker: Worker, request: pb.StoreRequest, tenant: str) -> None:
+    """Write what an honest worker would hold into the rows a store names, and note each
+    entry offered under the storing namespace (if the caller may store for that worker)."""
+    paged, slots = worker.rows
+    keys = [request.keys[i:i + 16] for i in range(0, len(request.keys) // 16 * 16, 16)]
+    pages = [(key, row) for key, row in zip(keys, request.kv_rows) if row < worker.layout.page_rows]
+    offers = [(c.pages, c.slot) for c in request.checkpoints
+              if 0 < c.pages <= len(keys) and c.slot < worker.layout.slot_rows]
+    for key, row in pages:
+        keyed.write_entry(paged, row, content(worker, key, keyed.PAGE, keyed.entry_bytes(paged)))
+    for n, slot in offers:
+        keyed.write_entry(slots, slot, content(worker, keys[n - 1], keyed.CHECKPOINT,
+                                               keyed.entry_bytes(slots)))
+    if tenant != worker.tenant:
+        return
+    ns = (worker.tenant, worker.layout.fingerprint)
+    for key, row in pages:
+        world.offered[ns, key, keyed.PAGE].add(digest(keyed.read_entry(paged, row)))
+    for n, slot in offers:
+        world.offered[ns, keys[n - 1], keyed.CHECKPOINT].add(digest(keyed.read_entry(slots, slot)))
+
+
+def foreign_bytes(world: World, worker: Worker, request: pb.LoadRequest, reply,
+                  before: list[torch.Tensor]) -> list[str]:
+    """What a load put into the caller's rows that its namespace never stored there."""
+    paged, slots = worker.rows
+    pages = 0 if isinstance(reply, grpc.StatusCode) else reply.match.pages
+    keys = [request.keys[i:i + 16] for i in range(0, 16 * pages, 16)]
+    ns, wrong = (worker.tenant, worker.layout.fingerprint), []
+    loaded = {int(r) for r in request.kv_rows[:pages]}
+    for key, row in zip(keys, request.kv_rows):
+        if digest(keyed.read_entry(paged, row)) not in world.offered[ns, key, keyed.PAGE]:
+            wrong.append(f"page row {row}")
+    slot = int(request.slot) if pages and slots else None
+    if slot is not None and digest(keyed.read_entry(slots, slot)) not in world.offered[
+            ns, keys[-1], keyed.CHECKPOINT]:
+        wrong.append(f"slot {slot}")
+    after = [t.clone() for t in paged + slots]
+    for n, (old, new) in enumerate(zip(before, after)):
+        is_paged = n < len(paged)
+        for row in torch.nonzero((old != new).any(dim=1)).flatten().tolist():
+            if (row not in loaded) if is_paged else (row != slot):
+                wrong.append(f"{'page row' if is_paged else 'slot'} {row} changed, not loaded")
+    return wrong
 
 
 def call(world: World, method: str, request, context: Context):
@@ -188,6 +270,29 @@ def call(world: World, method: str, request, context: Context):
         return context.code
 
 
+def caller_tenant(context: Context) -> str | None:
+    tokens = {f"Bearer {t}": name for name, t in TOKENS.items()}
+    found = [tokens.get(v) for k, v in context.metadata if k == "authorization"]
+    return found[0] if found else None
+
+
+def fuzzed_call(world: World, method: str, request, context: Context) -> tuple[object, list[str]]:
+    """The call, with the isolation oracle around it: (reply or code, foreign bytes)."""
+    worker = world.owner(getattr(request, "worker_id", ""))
+    if method == "Register" and request.buffers and request.buffers[0].shm.ticket == FRESH:
+        world.spare.append(SharedBuffers.create(prompts.LAYOUT))
+        ticket = world.spare[-1].hand_over(world.handover.path)
+        for location in request.buffers:
+            if location.HasField("shm"):
+                location.shm.ticket = ticket
+    if method == "Store" and worker is not None:
+        prepare_store(world, worker, request, caller_tenant(context))
+    before = [t.clone() for t in sum(worker.rows, [])] if worker is not None and method == "Load" else None
+    reply = call(world, method, request, context)
+    wrong = foreign_bytes(world, worker, request, reply, before) if before is not None else []
+    return reply, wrong
+
+
 # -- strategies -----------------------------------------------------------------------------
 # Each field is mostly something a real worker would send, so that calls get past the
 # first check and into the engine, and otherwise anything at all.
@@ -199,36 +304,39 @@ def u32(): return mostly(st.integers(0, 24), st.integers(0, 2**32 - 1))
 def u64(): return mostly(st.integers(0, 1 << 16), st.integers(0, 2**64 - 1))
 
 
-def contexts(world: World):
-    acme = (("authorization", f"Bearer {TOKENS['acme']}"),)
-    metadata = mostly(st.just(acme), st.one_of(
+def contexts(world: World, tenant: str):
+    own = (("authorization", f"Bearer {TOKENS[tenant]}"),)
+    metadata = mostly(st.just(own), st.one_of(
         st.just(()),
         st.sampled_from([(("authorization", f"Bearer {t}"),) for t in TOKENS.values()]),
         st.builds(lambda v: (("authorization", v),), st.text(max_size=40)),
         st.lists(st.tuples(st.sampled_from(["authorization", "x-other"]),
-                           st.text(max_size=20)), max_size=3).map(tuple)))
+                           st.text(max_size=20)), max_size=3).map(tuple)), 0.85)
     names = mostly(st.just([]), st.lists(st.sampled_from(
         [b"acme-worker", b"beta-worker", b"stranger", b"\xff\xfe"]), min_size=1, max_size=2))
-    remaining = mostly(st.none(), st.one_of(st.just(0.0), st.floats(-5, 30)), 0.85)
+    remaining = mostly(st.none(), st.one_of(st.just(0.0), st.floats(-5, 30)), 0.9)
     return st.builds(Context, metadata, st.sampled_from(["unix:", "ipv4:10.0.0.1:5000"]), names,
                      remaining)
 
 
-def worker_ids(world: World):
-    return mostly(st.just(world.workers["acme"]), st.one_of(
-        st.sampled_from(sorted(world.workers.values())), st.text(max_size=30)))
-
-
-def keys(world: World):
-    stored = b"".join(world.keys)
-    return mostly(st.integers(1, prompts.PAGES).map(lambda n: stored[:16 * n]), st.one_of(
-        st.binary(max_size=40 * 16).map(lambda b: b[:len(b) // 16 * 16]),
-        st.binary(max_size=300),
-        st.integers(MAX_PAGES - 1, MAX_PAGES + 2).map(lambda n: b"\x07" * 16 * n)), 0.5)
-
-
-def checks_for(world: World):
-    return st.one_of(st.just(b""), st.just(world.checks), st.binary(max_size=64))
+def keys_and_checks(world: World, worker: Worker):
+    """Keys of the caller's own prompts mostly; else another namespace's, with a key
+    repeated, or random bytes. Checks to match, or none, or wrong."""
+    def prompt(source: Worker, p: int, n: int, repeat: int | None):
+        keys, checks = source.keys[p][:n], source.checks[p][:8 * n]
+        if repeat is not None:
+            keys, checks = keys + [keys[repeat % n]], checks + checks[8 * (repeat % n):8 * (repeat % n) + 8]
+        return b"".join(keys), checks
+    sources = mostly(st.just(worker), st.sampled_from(list(world.workers.values())), 0.6)
+    chosen = st.builds(prompt, sources, st.integers(0, PROMPTS - 1), st.integers(1, prompts.PAGES),
+                       mostly(st.none(), st.integers(0, prompts.PAGES), 0.9))
+    odd = st.tuples(st.one_of(st.binary(max_size=40 * 16).map(lambda b: b[:len(b) // 16 * 16]),
+                              st.binary(max_size=300),
+                              st.integers(MAX_PAGES - 1, MAX_PAGES + 2).map(lambda n: b"\x07" * 16 * n)),
+                    st.just(b""))
+    pair = mostly(chosen, odd, 0.85)
+    return pair.flatmap(lambda kc: st.tuples(st.just(kc[0]), st.sampled_from(
+        [kc[1]] * 4 + [b"", b"\x01" * len(kc[1]), b"\x00" * 12])))
 
 
 def layouts():
@@ -241,10 +349,11 @@ def layouts():
         slots=st.lists(specs, max_size=3), tp_rank=u32(), tp_size=u32()), 0.5)
 
 
-def buffer_locations(world: World):
-    names = st.sampled_from([world.shared.name, "tiercache-missing", "../../etc/passwd", "",
-                             ".hidden", "a/b"])
-    shm = st.builds(pb.SharedMemoryBuffer, name=names, offset=u64())
+def buffer_locations():
+    placements = SharedBuffers.create(prompts.LAYOUT)  # only its placements are used
+    tickets = st.sampled_from([FRESH, FRESH, b"\0" * 16, b"", b"x" * 40])
+    usual = tickets.map(lambda t: locations(placements, t))
+    shm = st.builds(pb.SharedMemoryBuffer, ticket=tickets, offset=u64())
     cuda = st.builds(pb.CudaIpcBuffer, handle=st.binary(max_size=80), offset=u64(),
                      device_uuid=st.text(max_size=40))
     location = st.one_of(
@@ -252,36 +361,52 @@ def buffer_locations(world: World):
                   nbytes=u64(), shm=shm),
         st.builds(pb.BufferLocation, name=st.sampled_from(["kv0", "kv1", "ssm"]), nbytes=u64(),
                   cuda=cuda))
-    return mostly(st.just(locations(world.shared)), st.lists(location, max_size=4), 0.5)
+    return mostly(usual, st.lists(location, max_size=4), 0.5)
 
 
-def requests(world: World):
-    wid, ks, cs = worker_ids(world), keys(world), checks_for(world)
-    rows = mostly(st.lists(st.integers(0, 19), max_size=6, unique=True), st.lists(u32(), max_size=12))
-    slot = mostly(st.integers(0, 3), st.one_of(st.none(), u32()))
-    checkpoints = st.lists(st.builds(pb.Checkpoint, pages=mostly(st.integers(1, 5), u32()),
-                                     slot=mostly(st.integers(0, 3), u32())), max_size=4)
-    event = mostly(st.just(b""), st.binary(max_size=80), 0.9)
+def requests_for(world: World, worker: Worker):
+    kc = keys_and_checks(world, worker)
+    wid = mostly(st.just(worker.id), st.one_of(
+        st.sampled_from(sorted(w.id for w in world.workers.values())), st.text(max_size=30)), 0.9)
+    page_rows, slot_rows = worker.layout.page_rows, worker.layout.slot_rows
+
+    def rows_for(keys: bytes):  # one distinct row per page mostly, else anything
+        n = min(len(keys) // 16, page_rows)
+        return mostly(st.permutations(range(page_rows)).map(lambda p: p[:n]),
+                      st.lists(mostly(st.integers(0, page_rows - 1), u32()), max_size=12), 0.9)
+
+    def checkpoints_for(keys: bytes):  # mostly the state at the prompt's end
+        end = st.integers(0, slot_rows - 1).map(lambda slot: [pb.Checkpoint(pages=len(keys) // 16, slot=slot)])
+        return mostly(end, st.lists(st.builds(pb.Checkpoint, pages=mostly(st.integers(1, 6), u32()),
+                                              slot=mostly(st.integers(0, slot_rows - 1), u32())),
+                                    max_size=3), 0.8)
+    kcr = kc.flatmap(lambda k: st.tuples(st.just(k), rows_for(k[0]), checkpoints_for(k[0])))
+    slot = mostly(st.integers(0, slot_rows - 1), st.one_of(st.none(), u32()))
+    event = mostly(st.just(b""), st.binary(max_size=80), 0.95)
     return st.one_of(
-        st.tuples(st.just("Match"), st.builds(pb.MatchRequest, worker_id=wid, keys=ks,
-                                              prefetch=st.booleans(), checks=cs)),
-        st.tuples(st.just("Load"), st.builds(
-            pb.LoadRequest, worker_id=wid, keys=ks, kv_rows=rows, slot=slot, checks=cs,
-            ready_event=event,
-            asynchronous=st.booleans())),
-        st.tuples(st.just("Store"), st.builds(
-            pb.StoreRequest, worker_id=wid, keys=ks, kv_rows=rows, checkpoints=checkpoints,
-            checks=cs, durable=st.booleans(),
-            ready_event=event)),
-        st.tuples(st.just("Evict"), st.builds(pb.EvictRequest, worker_id=wid, keys=ks, tier=mostly(
-            st.sampled_from([0, 1, 2, 4]), st.integers(-2**31, 2**31 - 1)))),
-        st.tuples(st.just("Stats"), st.just(pb.StatsRequest())),
-        st.tuples(st.just("Unregister"), st.builds(pb.UnregisterRequest, worker_id=st.text(max_size=30))),
-        st.tuples(st.just("Register"), st.builds(
-            pb.RegisterRequest, model_id=st.one_of(st.just(prompts.MODEL), st.text(max_size=30)),
-            layout=layouts(), buffers=buffer_locations(world),
-            extra_keys=st.lists(st.text(max_size=20), max_size=3),
-            hash=st.sampled_from(["", "xxh3_128", "blake2b_128", "md5", "\x00"]))))
+        st.builds(lambda w, k, p: ("Match", pb.MatchRequest(worker_id=w, keys=k[0], checks=k[1],
+                                                            prefetch=p)), wid, kc, st.booleans()),
+        st.builds(lambda w, kr, s, e, a: ("Load", pb.LoadRequest(
+            worker_id=w, keys=kr[0][0], checks=kr[0][1], kv_rows=kr[1], slot=s, ready_event=e,
+            asynchronous=a)), wid, kcr, slot, event, st.booleans()),
+        st.builds(lambda w, kr, d, e: ("Store", pb.StoreRequest(
+            worker_id=w, keys=kr[0][0], checks=kr[0][1], kv_rows=kr[1], checkpoints=kr[2],
+            durable=d, ready_event=e)), wid, kcr, mostly(st.just(False), st.just(True), 0.9), event),
+        st.builds(lambda w, k, t: ("Evict", pb.EvictRequest(worker_id=w, keys=k[0], tier=t)), wid, kc,
+                  mostly(st.sampled_from([0, 1, 2, 4]), st.integers(-2**31, 2**31 - 1))),
+        st.just(("Stats", pb.StatsRequest())),
+        st.builds(lambda w: ("Unregister", pb.UnregisterRequest(worker_id=w)), st.text(max_size=30)),
+        st.builds(lambda m, lay, b, x, h: ("Register", pb.RegisterRequest(
+            model_id=m, layout=lay, buffers=b, extra_keys=x, hash=h)),
+            st.one_of(st.just(prompts.MODEL), st.text(max_size=30)), layouts(), buffer_locations(),
+            st.lists(st.text(max_size=20), max_size=3),
+            st.sampled_from(["", "xxh3_128", "blake2b_128", "md5", "\x00"])))
+
+
+def steps(world: World):
+    """(method, request, context): a call as one of the four workers would make it."""
+    return st.sampled_from(NAMESPACES).flatmap(lambda ns: st.tuples(
+        requests_for(world, world.workers[ns]), contexts(world, ns[0])))
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -290,16 +415,9 @@ class Outcome:
     calls: collections.Counter = field(default_factory=collections.Counter)
     codes: collections.Counter = field(default_factory=collections.Counter)
     failures: list[str] = field(default_factory=list)
+    foreign: int = 0  # loaded entries no store of the caller's namespace offered
+    loaded_entries: int = 0  # pages and checkpoints loaded and checked
     invariant_checks: int = 0
-
-
-def books_balance(engine: Engine) -> bool:
-    """The engine's own accounting agrees with itself and nothing stays pinned."""
-    with engine._lock:
-        rows = engine.index.rows_in(Tier.HOST)
-        charged = np.maximum(engine.index.column("nbytes", rows), engine.host.min_slot_bytes)
-        return (engine.host.used_bytes == int(charged.sum())  # tiny entries take a floor
-                and not engine.index.column("pins", engine.index.rows_in(Tier.HOST | Tier.DISK)).any())
 
 
 def run(examples: int, seed: int = 0, folder: Path | None = None) -> Outcome:
@@ -310,46 +428,57 @@ def run(examples: int, seed: int = 0, folder: Path | None = None) -> Outcome:
         @hypothesis.seed(seed)
         @settings(max_examples=examples, database=None, deadline=None,
                   phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-        @given(requests(world), contexts(world))
-        def one(request, context):
-            method, message = request
+        @given(steps(world))
+        def one(step):
+            (method, message), context = step
             outcome.calls[method] += 1
             try:
-                result = call(world, method, message, context)
+                reply, wrong = fuzzed_call(world, method, message, context)
             except BaseException:  # noqa: BLE001 - anything escaping is a finding
                 outcome.failures.append(f"{method} raised: {message!r:.300}\n{traceback.format_exc()}")
                 return
-            code = result if isinstance(result, grpc.StatusCode) else None
+            code = reply if isinstance(reply, grpc.StatusCode) else None
             outcome.codes[code.name if code else "OK"] += 1
             if code is not None and code not in ALLOWED:
                 outcome.failures.append(f"{method} -> {code.name}: {message!r:.300}")
-            if sum(outcome.calls.values()) % 500 == 0:
-                outcome.invariant_checks += 1
-                if not books_balance(world.engine):
-                    outcome.failures.append(f"the books do not balance after {method}")
+            if method == "Load" and code is None:
+                outcome.loaded_entries += reply.match.pages + bool(reply.match.pages)
+            if wrong:
+                outcome.foreign += len(wrong)
+                outcome.failures.append(f"{method} put foreign bytes in {wrong}: {message!r:.300}")
+            outcome.invariant_checks += 1
+            broken = invariants.violations(world.engine)
+            if broken:
+                outcome.failures.append(f"the books do not balance after {method}: {broken}")
 
         one()
-        if not books_balance(world.engine):
-            outcome.failures.append("the books do not balance at the end")
         if not still_serves(world):
-            outcome.failures.append("the stored prompt no longer loads exactly")
+            outcome.failures.append("a stored prompt no longer loads exactly")
         world.servicer.registry.remove_all()
-        world.shared.close()
+        world.handover.stop()
         world.engine.close(flush=False)
     return outcome
 
 
 def still_serves(world: World) -> bool:
-    """After the fuzzing (which may have evicted or overwritten it): a prompt stored anew
-    loads whole and exact."""
-    store_prompt(world)
-    reply = call(world, "Load", pb.LoadRequest(
-        worker_id=world.workers["acme"], keys=b"".join(world.keys), checks=world.checks,
-        kv_rows=range(prompts.PAGES, 2 * prompts.PAGES), slot=1), acme_context())
-    if isinstance(reply, grpc.StatusCode) or reply.match.pages != prompts.PAGES:
-        return False
-    return keyed.wrong_entries(*buffers(world), world.keys,
-                               list(range(prompts.PAGES, 2 * prompts.PAGES)), prompts.PAGES, 1) == 0
+    """After the fuzzing: a prompt stored anew by each namespace loads whole and exact."""
+    for worker in world.workers.values():
+        context = token_context(worker.tenant)
+        keys, checks = b"".join(worker.keys[0]), worker.checks[0]
+        call(world, "Evict", pb.EvictRequest(worker_id=worker.id, keys=keys), context)
+        store = pb.StoreRequest(worker_id=worker.id, keys=keys, checks=checks,
+                                kv_rows=range(prompts.PAGES),
+                                checkpoints=[pb.Checkpoint(pages=prompts.PAGES, slot=0)])
+        prepare_store(world, worker, store, worker.tenant)
+        call(world, "Store", store, context)
+        load = pb.LoadRequest(worker_id=worker.id, keys=keys, checks=checks,
+                              kv_rows=range(prompts.PAGES, 2 * prompts.PAGES), slot=1)
+        before = [t.clone() for t in sum(worker.rows, [])]
+        reply = call(world, "Load", load, context)
+        if (isinstance(reply, grpc.StatusCode) or reply.match.pages != prompts.PAGES
+                or foreign_bytes(world, worker, load, reply, before)):
+            return False
+    return True
 
 
 # -- raw bytes against a daemon process --------------------------------------------------
@@ -407,6 +536,7 @@ def main() -> None:
           "INTERNAL/UNKNOWN statuses (uncaught exceptions) as failures")
     print_summary(inputs=sum(outcome.calls.values()), failures=len(outcome.failures),
                   internal=outcome.codes.get("INTERNAL", 0), invariant_checks=outcome.invariant_checks,
+                  loaded_entries=outcome.loaded_entries, foreign_bytes=outcome.foreign,
                   raw_requests=args.raw, daemon_alive=int(alive))
 
 

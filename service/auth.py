@@ -28,12 +28,13 @@ import hmac
 import logging
 import os
 import stat
-import tomllib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import grpc
 
+from service.config import read_toml
+from tiercache.tenancy import check_private
 from tiercache.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from tiercache.hashing import HASHES
 
@@ -87,10 +88,10 @@ def load_tenants(path: str) -> dict[str, Tenant]:
     """The tenants a TOML file names (see the module doc); {} for no file."""
     if not path:
         return {}
-    if os.stat(path).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("tenants file %s is readable by others: chmod 600 it", path)
-    with open(path, "rb") as f:
-        tables = tomllib.load(f).get("tenants", {})
+    check_private(path, "tenants file")
+    tables = read_toml(path, "tenants file").get("tenants", {})
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+        raise InvalidArgument(f"tenants file {path}: write one [tenants.NAME] table per tenant")
     tenants = {name: _tenant(name, table) for name, table in tables.items()}
     names = [cn for t in tenants.values() for cn in t.common_names]
     if len(names) != len(set(names)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -49,9 +50,12 @@ class ServiceConfig:
     disk_sync: bool = True  # fsync every LMDB commit
     policy: str = "lru"
     max_message_bytes: int = 16 << 20
-    max_concurrent_rpcs: int = 64
+    max_concurrent_rpcs: int = 64  # cache calls in flight (health checks have their own room)
+    max_calls_per_tenant: int = 32  # of those, one tenant's
+    request_seconds: float = 10.0  # a call that has not sent its request by then is cancelled
     max_workers: int = 32  # registered workers at a time
     max_prompt_pages: int = 1 << 16  # keys in one request
+    min_entry_bytes: int = 64  # smaller KV pages or checkpoints are refused at registration
     grace_seconds: float = 10.0  # for in-flight calls at shutdown
     flush_on_exit: bool = True  # write host entries to disk when stopping
     # who may call, and how (service/auth.py, service/tls.py, tiercache/tenancy.py)
@@ -108,16 +112,20 @@ class ServiceConfig:
         return KvEventsConfig(self.kv_events, self.kv_events_replay, self.kv_events_pod)
 
     def check(self) -> "ServiceConfig":
-        for name in ("host_budget", "disk_map_size", "max_message_bytes", "max_concurrent_rpcs",
-                     "max_workers", "max_prompt_pages"):
-            if getattr(self, name) <= 0:
-                raise InvalidArgument(f"{name} must be positive, got {getattr(self, name)}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", "float") and not math.isfinite(value):
+                raise InvalidArgument(f"{f.name} must be a finite number, got {value}")
+            if f.name in _POSITIVE and value <= 0:
+                raise InvalidArgument(f"{f.name} must be positive, got {value}")
+            if f.type in ("int", "float") and value < 0:
+                raise InvalidArgument(f"{f.name} must be 0 or more, got {value}")
+            if f.name.endswith("_seconds") and value > _MAX_SECONDS:
+                raise InvalidArgument(f"{f.name} = {value} is over a day: give at most {_MAX_SECONDS}")
         self.engine()  # the engine's own checks
         make_policy(self.policy)
         if self.hash and self.hash not in HASHES:
             raise InvalidArgument(f"hash {self.hash!r} is unknown: use one of {sorted(HASHES)}")
-        if self.max_workers_per_tenant < 0:
-            raise InvalidArgument("max_workers_per_tenant must be 0 (no limit) or positive")
         tls.check(self.tcp, self.tls_cert, self.tls_key, self.tls_client_ca, self.tcp_insecure)
         self._check_operations()
         self.kv_events_config()
@@ -127,12 +135,21 @@ class ServiceConfig:
         for name in ("metrics_address", "health_address"):
             if getattr(self, name):
                 host_port(getattr(self, name), name)
-        if self.drain_seconds < 0:
-            raise InvalidArgument(f"drain_seconds must be 0 or more, got {self.drain_seconds}")
         if self.log_format not in ("text", "json"):
             raise InvalidArgument(f"log_format={self.log_format!r}: use text or json")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise InvalidArgument(f"log_level={self.log_level!r}: use debug, info, warning or error")
+
+
+def read_toml(path: str, what: str) -> dict[str, Any]:
+    """A TOML file's tables; a file that is missing or not TOML says so in one line."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as error:
+        raise InvalidArgument(f"{what} {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise InvalidArgument(f"{what} {path} is not valid TOML ({error}): fix that line") from None
 
 
 def host_port(address: str, setting: str) -> tuple[str, int]:
@@ -143,6 +160,11 @@ def host_port(address: str, setting: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
+# settings that must be above 0; every other number must be 0 or more, and all finite
+_POSITIVE = {"host_budget", "disk_map_size", "max_message_bytes", "max_concurrent_rpcs",
+             "max_calls_per_tenant", "max_workers", "max_prompt_pages", "min_entry_bytes",
+             "request_seconds"}
+_MAX_SECONDS = 86_400
 _SIZES = {"host_budget", "device_budget", "disk_map_size", "max_message_bytes"}
 
 
@@ -178,8 +200,7 @@ def load(path: str | None = None, environ: Mapping[str, str] = os.environ,
     """Defaults < TOML file < TIERCACHE_* environment < flags."""
     config = ServiceConfig()
     if path:
-        with open(path, "rb") as f:
-            config = dataclasses.replace(config, **_overrides(tomllib.load(f), path))
+        config = dataclasses.replace(config, **_overrides(read_toml(path, "--config"), path))
     env = {k[len("TIERCACHE_"):].lower(): v for k, v in environ.items()
            if k.startswith("TIERCACHE_") and k not in _NOT_SETTINGS}
     config = dataclasses.replace(config, **_overrides(env, "environment"))

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from tiercache.errors import TiercacheError
-from tiercache.wire import status_of
+from tiercache.wire import details_of, status_of
 
 log = logging.getLogger("tiercache.service")
 
@@ -17,7 +17,7 @@ log = logging.getLogger("tiercache.service")
 def _guard(behaviour: Callable, method: str, streaming: bool) -> Callable:
     def abort(error: Exception, context: grpc.ServicerContext) -> None:
         if isinstance(error, TiercacheError):
-            context.abort(status_of(error), str(error))
+            context.abort(status_of(error), details_of(error))
         log.exception("%s failed", method)
         context.abort(grpc.StatusCode.INTERNAL, f"{method} failed inside the daemon: see its log")
 

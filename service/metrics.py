@@ -91,6 +91,10 @@ METRICS = {m.name: m for m in (
            "never served."),
     Metric("collisions", "counter", "Keys found whose entry another prompt stored (its check "
            "differs): misses, never served."),
+    Metric("foreign_entries", "counter", "Keys found whose entry has another size than the "
+           "caller's layout: misses, never read."),
+    Metric("disk_write_errors", "counter", "Disk writes the file system refused (no space, I/O "
+           "errors): the entries stay in memory; the tier retries after a pause."),
     Metric("disk_moved_aside", "gauge", "1 if the LMDB environment was damaged at start and "
            "moved aside (the disk tier started empty), else 0."),
     Metric("eviction_alpha", "gauge", "Weight of recency against saved FLOPs in FLOP-aware "
@@ -122,6 +126,7 @@ _PLAIN = {"matches": "matches", "match_requested_pages": "requested_pages", "loa
           "promotions": "promoted", "prefetches": "prefetches",
           "promotion_waits": "promotion_waits", "eviction_regrets": "regrets",
           "checksum_failures": "checksum_failures", "collisions": "collisions",
+          "foreign_entries": "foreign_entries", "disk_write_errors": "disk_write_errors",
           "disk_moved_aside": "disk_moved_aside", "kv_event_batches": "kv_event_batches",
           "kv_events_dropped": "kv_events_dropped"}
 # Labelled engine counters: metric -> {label values: counter}.

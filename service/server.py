@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from concurrent import futures
@@ -30,11 +31,13 @@ from service.endpoints import Endpoints
 from service.errors import ErrorInterceptor
 from service.fleet import Fleet, names
 from service.kv_events import KvEventPublisher
+from service.gate import HEALTH_CALLS, CallGate, GateConfig
+from service.handover import Handover, handover_path
 from service.logs import redacted
 from service.metrics import registry_for
 from service.observe import ObservingInterceptor
 from service.servicer import TiercacheServicer
-from service.workers import WorkerRegistry
+from service.workers import Limits, WorkerRegistry
 from tiercache import failpoints, tenancy
 from tiercache.engine import Engine
 from tiercache.events import EventLog
@@ -56,6 +59,7 @@ class Daemon:
     servicer: TiercacheServicer
     health: health.HealthServicer
     addresses: list[str]
+    handover: Handover
     endpoints: Endpoints = field(default_factory=Endpoints)  # metrics, health-only listener
     publisher: KvEventPublisher | None = None  # KV events for routers, if on
 
@@ -65,6 +69,7 @@ class Daemon:
         self.servicer.stopping.set()
         self.server.stop(self.config.grace_seconds).wait()
         self.endpoints.stop_health()
+        self.handover.stop()
         self.servicer.registry.remove_all()
         self.endpoints.stop_metrics()  # it reads the engine, which closes now
         self.engine.close(flush=self.config.flush_on_exit)
@@ -75,10 +80,16 @@ class Daemon:
 
 
 def _free_socket(path: str) -> None:
-    """Remove a socket file a dead daemon left behind; refuse if one is alive there."""
-    if not os.path.exists(path):
+    """Remove a socket file a dead daemon left behind; refuse if one is alive there, or if
+    the path is anything but a socket (a file someone named by mistake stays)."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         return
+    if not stat.S_ISSOCK(found.st_mode):
+        raise RuntimeError(f"{path} exists and is not a socket: move it away or choose "
+                           "another --socket")
     probe = socket.socket(socket.AF_UNIX)
     try:
         probe.connect(path)
@@ -93,20 +104,28 @@ def _free_socket(path: str) -> None:
 def start(config: ServiceConfig) -> Daemon:
     auth = Authenticator(load_tenants(config.tenants_file), config.socket_tenant,
                          config.require_identity, config.hash)
-    os.makedirs(config.data_dir, exist_ok=True)
+    os.makedirs(config.data_dir, mode=0o700, exist_ok=True)
+    tenancy.check_private(config.data_dir, "data directory")
     secret = tenancy.load_secret(config.secret_path)
+    _free_socket(config.socket_path)
+    _free_socket(handover_path(config.socket_path))
     engine = Engine.open(config.engine(remote_namespace(secret)))
     fleet, publisher = _fleet(config, engine)
+    handover = Handover(handover_path(config.socket_path)).start()
     registry = WorkerRegistry(config.max_workers, engine.quiesce, secret,
-                              config.max_workers_per_tenant)
+                              config.max_workers_per_tenant,
+                              Limits(min_entry_bytes=config.min_entry_bytes), handover)
     servicer = TiercacheServicer(engine, registry, config.max_prompt_pages, auth, fleet)
     metrics, call_metrics = registry_for(engine, registry.__len__, registry.ipc_allocations)
-    # every registered worker holds one stream (and one thread) open for its lifetime
-    calls = config.max_concurrent_rpcs + config.max_workers
+    gate = CallGate(auth, GateConfig(config.max_concurrent_rpcs, config.max_calls_per_tenant,
+                                     config.request_seconds))
+    # threads: the calls the gate lets in, one stream per registered worker, health checks,
+    # and room for the calls the gate is turning away
+    threads = config.max_concurrent_rpcs + config.max_workers + HEALTH_CALLS + 16
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=calls, thread_name_prefix="tiercache-rpc"),
-        interceptors=[ObservingInterceptor(call_metrics), ErrorInterceptor()],
-        maximum_concurrent_rpcs=calls,
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiercache-rpc"),
+        # outermost first: every call is observed, then gated, then its errors mapped
+        interceptors=[ObservingInterceptor(call_metrics), gate, ErrorInterceptor()],
         options=[("grpc.max_receive_message_length", config.max_message_bytes),
                  ("grpc.max_send_message_length", config.max_message_bytes),
                  ("grpc.so_reuseport", 0),
@@ -124,7 +143,7 @@ def start(config: ServiceConfig) -> Daemon:
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    daemon = Daemon(config, engine, server, servicer, health_servicer, addresses,
+    daemon = Daemon(config, engine, server, servicer, health_servicer, addresses, handover,
                     publisher=publisher)
     try:
         daemon.endpoints = Endpoints.start(config, metrics, health_servicer)
@@ -160,7 +179,6 @@ def _bind_tcp(server: grpc.Server, config: ServiceConfig) -> str:
 
 
 def _bind_socket(server: grpc.Server, path: str) -> str:
-    _free_socket(path)
     old = os.umask(0o177)  # the socket file is created 0600: the daemon's user only
     try:
         server.add_insecure_port(f"unix:{path}")

@@ -4,10 +4,16 @@ client CA is configured. The Unix socket needs none: only the daemon's user can 
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
+import ssl
+import stat
 
 import grpc
 
 from tiercache.errors import InvalidArgument
+
+log = logging.getLogger("tiercache.service")
 
 
 def _read(path: str) -> bytes:
@@ -47,3 +53,27 @@ def check(tcp: str, cert: str, key: str, client_ca: str, insecure: bool) -> None
     if tcp and not cert and not insecure and not is_loopback(tcp):
         raise InvalidArgument(f"tcp {tcp} is reachable from other machines: set tls_cert and "
                               "tls_key (and tls_client_ca for mTLS), or tcp_insecure = true")
+    if cert:
+        check_files(cert, key, client_ca)
+
+
+def check_files(cert: str, key: str, client_ca: str) -> None:
+    """Say which file is wrong before grpc can only say "Failed to bind"."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    for path in (cert, key, client_ca):
+        if path:
+            _read(path)  # exists and is readable
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as error:
+        raise InvalidArgument(f"tls_cert {cert} and tls_key {key} do not make a certificate and "
+                              f"its private key in PEM ({error.reason or error}): check that the "
+                              "key belongs to the certificate") from None
+    if client_ca:
+        try:
+            context.load_verify_locations(client_ca)
+        except ssl.SSLError as error:
+            raise InvalidArgument(f"tls_client_ca {client_ca} is not a PEM CA certificate "
+                                  f"({error.reason or error})") from None
+    if os.stat(key).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("TLS key %s is readable by others: chmod 600 it", key)

@@ -4,11 +4,12 @@ using it, so no copy ever runs on an unmapped buffer."""
 
 from __future__ import annotations
 
+import ctypes
 import secrets
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -45,10 +46,37 @@ class Registration:
         return keys if self.mask is None else tenancy.masked(keys, self.mask)
 
 
-def map_buffers(layout: Layout, locations: Sequence[pb.BufferLocation]
+_MAX_ID = 512  # characters of a model id or an extra key
+_MAX_EXTRA = 64  # extra keys of one registration
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one registration may bring (invariant 6: bounded everything)."""
+
+    max_buffers: int = 1024  # buffers in one layout
+    max_allocations: int = 256  # distinct memfds or CUDA allocations of one registration
+    min_entry_bytes: int = 64  # a smaller page or checkpoint costs more to keep than it saves
+
+
+def check_layout(layout: Layout, limits: Limits) -> None:
+    buffers = len(layout.paged) + len(layout.slots)
+    if buffers > limits.max_buffers:
+        raise InvalidArgument(f"the layout has {buffers} buffers, more than the {limits.max_buffers} "
+                              "one worker may register: put several layers in one buffer")
+    for what, nbytes in (("KV page", layout.page_bytes), ("checkpoint", layout.checkpoint_bytes)):
+        if 0 < nbytes < limits.min_entry_bytes:
+            raise InvalidArgument(f"a {what} of this layout is {nbytes} bytes, under the "
+                                  f"{limits.min_entry_bytes} bytes an entry must have: such "
+                                  "entries cost more to keep than they save")
+
+
+def map_buffers(layout: Layout, locations: Sequence[pb.BufferLocation], limits: Limits,
+                redeem: Callable[[bytes], ctypes.Array]
                 ) -> tuple[WorkerBuffers, list[cuda_ipc.Opened]]:
     """The daemon's tensors over a worker's buffers, checked against its layout, and the
-    CUDA allocations it opened for them (to close when the worker goes)."""
+    CUDA allocations it opened for them (to close when the worker goes). Shared-memory
+    buffers are named by the tickets of their handover (`redeem`)."""
     specs = {b.name: b for b in (*layout.paged, *layout.slots)}
     names = [location.name for location in locations]
     if sorted(names) != sorted(specs):
@@ -61,19 +89,26 @@ def map_buffers(layout: Layout, locations: Sequence[pb.BufferLocation]
     for location in locations:
         spec = specs[location.name]
         if location.nbytes != spec.rows * spec.row_bytes:
-            raise InvalidArgument(f"buffer {spec.name!r}: location says {location.nbytes} bytes, the "
-                                  f"layout needs {spec.rows * spec.row_bytes}")
+            raise InvalidArgument(f"buffer {spec.name!r}: location says {location.nbytes} bytes, "
+                                  f"the layout needs {spec.rows * spec.row_bytes}")
+    shared = kinds == {"shm"}
+    allocations = {bytes(loc.shm.ticket if shared else loc.cuda.handle) for loc in locations}
+    if len(allocations) > limits.max_allocations:
+        raise InvalidArgument(f"the buffers lie in {len(allocations)} allocations, more than the "
+                              f"{limits.max_allocations} one worker may register: share fewer, larger "
+                              "allocations")
     opened: list[cuda_ipc.Opened] = []
-    if kinds == {"shm"}:
-        tensors = shm.attach(layout, {loc.name: (loc.shm.name, int(loc.shm.offset)) for loc in locations})
-    else:
-        tensors = _open_cuda(layout, locations, opened)
     try:
+        if shared:
+            mappings = {ticket: redeem(ticket) for ticket in allocations}
+            tensors = shm.attach(layout, {loc.name: (mappings[bytes(loc.shm.ticket)], int(loc.shm.offset))
+                                          for loc in locations})
+        else:
+            tensors = _open_cuda(layout, locations, opened)
         buffers = WorkerBuffers.bind(layout, {b.name: tensors[b.name] for b in layout.paged},
                                      {b.name: tensors[b.name] for b in layout.slots})
-    except Exception:
-        tensors.clear()
-        for allocation in opened:
+    except BaseException:
+        for allocation in opened:  # nothing kept by a failed registration
             allocation.close()
         raise
     return buffers, opened
@@ -100,13 +135,31 @@ def _open_cuda(layout: Layout, locations: Sequence[pb.BufferLocation],
     return tensors
 
 
+class NoHandover:
+    """For registries without shared memory (GPU-only or in-process tests)."""
+
+    def redeem(self, ticket: bytes) -> ctypes.Array:
+        raise InvalidArgument("this daemon takes no shared-memory buffers")
+
+    def discard(self, ticket: bytes) -> None:
+        pass
+
+
+class Tickets(Protocol):
+    def redeem(self, ticket: bytes) -> ctypes.Array: ...
+    def discard(self, ticket: bytes) -> None: ...
+
+
 class WorkerRegistry:
     def __init__(self, max_workers: int, quiesce: Callable[[WorkerBuffers], None],
-                 secret: bytes | None = None, max_per_tenant: int = 0) -> None:
+                 secret: bytes | None = None, max_per_tenant: int = 0,
+                 limits: Limits = Limits(), tickets: Tickets = NoHandover()) -> None:
         self.max_workers = max_workers
         self.max_per_tenant = max_per_tenant  # 0: no limit beyond max_workers
-        self._secret = secret  # masks keys per tenant (tiercache.tenancy); None: no masks
+        self.limits = limits
+        self._secret = secret  # masks keys per namespace (tiercache.tenancy); None: no masks
         self._quiesce = quiesce  # returns once no copy touches these buffers
+        self._tickets = tickets  # the mappings shared-memory tickets stand for
         self._workers: dict[str, Registration] = {}
         self._changed = threading.Condition()
 
@@ -121,15 +174,30 @@ class WorkerRegistry:
     def add(self, request: pb.RegisterRequest, identity: Identity = Identity("", "anyone"),
             hash_name: str = "") -> Registration:
         """Register a worker of `identity`'s tenant; `hash_name`, if given, overrides the
-        page hash the worker asked for (the reply tells it which to use)."""
+        page hash the worker asked for (the reply tells it which to use). A registration
+        that fails keeps nothing: no mapping, no CUDA allocation, no ticket it named."""
+        try:
+            return self._add(request, identity, hash_name)
+        except BaseException:
+            for location in request.buffers:
+                if location.HasField("shm"):
+                    self._tickets.discard(location.shm.ticket)
+            raise
+
+    def _add(self, request: pb.RegisterRequest, identity: Identity, hash_name: str) -> Registration:
         if not request.model_id:
             raise InvalidArgument("model_id is empty: name the model whose bytes these are")
+        if len(request.model_id) > _MAX_ID or len(request.extra_keys) > _MAX_EXTRA or any(
+                len(extra) > _MAX_ID for extra in request.extra_keys):
+            raise InvalidArgument(f"model_id and each extra key take at most {_MAX_ID} characters, "
+                                  f"and a worker at most {_MAX_EXTRA} extra keys: hash long ones")
         layout = layout_from_proto(request.layout)
         namespace = Namespace(request.model_id, layout.fingerprint, identity.tenant,
                               tuple(request.extra_keys), hash_name or request.hash or "xxh3_128")
         root = namespace.root()  # checks the namespace before any buffer is mapped
+        check_layout(layout, self.limits)
         self._check_room(identity.tenant)
-        buffers, opened = map_buffers(layout, request.buffers)
+        buffers, opened = map_buffers(layout, request.buffers, self.limits, self._tickets.redeem)
         mask = None if self._secret is None else tenancy.namespace_mask(self._secret, root)
         registration = Registration(secrets.token_hex(12), namespace, root, buffers, opened,
                                     identity=identity, mask=mask)

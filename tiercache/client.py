@@ -242,9 +242,12 @@ class Client:
 
     def __init__(self, address: str | None = None, timeout: float = 30.0,
                  max_message_bytes: int = 16 << 20, token: str | None = None,
-                 tls: Tls | None = None) -> None:
+                 tls: Tls | None = None, handover: str | None = None) -> None:
         self.address = address or os.environ.get("TIERCACHE_ADDRESS", DEFAULT_ADDRESS)
         self.timeout = timeout
+        # where CPU workers hand their shared memory over: beside the daemon's Unix socket
+        self.handover = handover or os.environ.get("TIERCACHE_HANDOVER") or (
+            self.address.removeprefix("unix:") + ".fds" if self.address.startswith("unix:") else None)
         token = token if token is not None else os.environ.get("TIERCACHE_TOKEN", "")
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [("grpc.max_receive_message_length", max_message_bytes),
@@ -262,10 +265,14 @@ class Client:
         shared memory (worker.paged / worker.slots); GPU workers pass their CUDA tensors."""
         shared, device = None, None
         if buffers is None:
+            if self.handover is None:
+                raise InvalidArgument("shared-memory buffers are handed over on the daemon's Unix "
+                                      "socket: connect to unix:PATH, or pass handover=PATH.fds")
             shared = SharedBuffers.create(layout)
             tensors = shared.tensors
+            ticket = shared.hand_over(self.handover)
             locations = [pb.BufferLocation(name=p.spec.name, nbytes=p.nbytes,
-                                           shm=pb.SharedMemoryBuffer(name=shared.name, offset=p.offset))
+                                           shm=pb.SharedMemoryBuffer(ticket=ticket, offset=p.offset))
                          for p in shared.placements]
         else:
             tensors, locations = dict(buffers), _cuda_locations(buffers)

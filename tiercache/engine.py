@@ -683,6 +683,8 @@ class Engine:
             counters["checksum_failures"] = self.disk.checksum_failures if self.disk else 0
             counters["disk_moved_aside"] = int(self.disk is not None and self.disk.moved_aside is not None)
             counters["collisions"] = self.index.collisions
+            counters["foreign_entries"] = self.index.foreign
+            counters["disk_write_errors"] = self.disk.write_errors if self.disk else 0
             if self.remote is not None:
                 counters.update(self.remote.stats())
             if self.events is not None:

@@ -27,6 +27,9 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
+MAX_NAME = 200  # characters of a buffer name
+
+
 class LayoutError(InvalidArgument):
     """A layout field is wrong; the message names it."""
 
@@ -44,9 +47,12 @@ class BufferSpec:
     dtype: str
 
     def __post_init__(self) -> None:
-        where = f"buffer {self.name!r}"
         if not self.name:
             raise LayoutError("buffer.name is empty: give every buffer a unique name")
+        if len(self.name) > MAX_NAME or not self.name.isprintable():
+            raise LayoutError(f"buffer name {self.name[:40]!r}... is not a printable name of at "
+                              f"most {MAX_NAME} characters")
+        where = f"buffer {self.name!r}"
         if not isinstance(self.rows, int) or self.rows <= 0:
             raise LayoutError(f"{where}: rows must be a positive integer, got {self.rows!r}")
         object.__setattr__(self, "row_shape", tuple(self.row_shape))

@@ -151,7 +151,7 @@ class Movement:
         finally:
             with self.lock:
                 self.counters["disk_writes"] += self.tiers.end_write(batch, written)
-        return True
+        return written  # a disk that refused it is tried again at the next kick, not now
 
     # -- writes -----------------------------------------------------------------------------
     def stored_on_device(self, rows: np.ndarray) -> None:

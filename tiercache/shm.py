@@ -1,36 +1,64 @@
-"""Worker buffers in POSIX shared memory, so the daemon can copy rows without a copy
-through gRPC.
+"""Worker buffers in sealed shared memory, handed to the daemon as a file descriptor, so
+the daemon can copy rows without a copy through gRPC.
 
-The worker creates one shared-memory object holding all buffers of its layout, each at
-an aligned offset; the daemon opens the same object by name and maps it. Objects are
-created with mode 0600: only the worker's own user (and root) can map them. The worker
-owns the object and unlinks it when it closes; a daemon mapping never outlives its
-registration.
+The worker creates one anonymous memory file (memfd) holding all buffers of its layout,
+each at an aligned offset, and seals it against shrinking and growing: no process can
+change its size while the daemon has it mapped (a shrunk mapping would end the daemon
+with SIGBUS on its next copy). It has no name: nothing in /dev/shm can be guessed,
+replaced by a symlink or opened by another worker. The worker passes the descriptor over
+a Unix socket beside the gRPC one (SCM_RIGHTS); the daemon checks it is a sealed memfd,
+maps it, closes the descriptor and answers with a ticket, 16 random bytes that only the
+worker learns. A registration names its buffers by ticket and offset.
+
+The handover protocol, both ends:
+    worker -> daemon: MAGIC with one descriptor attached
+    daemon -> worker: b"OK" + ticket (16 bytes), or b"NO" + a message saying what to fix
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import mmap
 import os
-import secrets
+import socket
+import stat
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from tiercache.errors import InvalidArgument, NotFound
+from tiercache.errors import FailedPrecondition, InvalidArgument, Unavailable
 from tiercache.layout import BufferSpec, Layout
 
-SHM_DIR = "/dev/shm"
+MAGIC = b"tiercache-memfd/1"
+TICKET_BYTES = 16
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _ALIGN = 4096
+_REPLY_BYTES = 512
 
 
-def _path(name: str) -> str:
-    if not name or "/" in name or name.startswith("."):
-        raise InvalidArgument(f"shared-memory name {name!r} is not a plain object name")
-    return os.path.join(SHM_DIR, name)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _tensor(mapping: mmap.mmap, spec: BufferSpec, offset: int) -> torch.Tensor:
+def map_shared(fd: int, size: int) -> ctypes.Array:
+    """`size` bytes of `fd` mapped shared and writable, as a buffer that unmaps itself when
+    its last user (the tensors viewing it) is gone. Unlike mmap.mmap, it keeps no copy of
+    the descriptor: the caller closes `fd`, and a registration holds no descriptor."""
+    address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address in (None, _MAP_FAILED):
+        raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed: {os.strerror(ctypes.get_errno())}")
+    mapping = (ctypes.c_uint8 * size).from_address(address)
+    weakref.finalize(mapping, _libc.munmap, address, size)
+    return mapping
+
+
+def _tensor(mapping: ctypes.Array, spec: BufferSpec, offset: int) -> torch.Tensor:
     nbytes = spec.rows * spec.row_bytes
     raw = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
     return raw.view(getattr(torch, spec.dtype)).view(spec.shape)
@@ -58,59 +86,103 @@ def plan(layout: Layout) -> tuple[list[Placement], int]:
 
 
 class SharedBuffers:
-    """The worker's side: creates the object, exposes its buffers as tensors."""
+    """The worker's side: a sealed memfd holding the layout's buffers, as tensors."""
 
-    def __init__(self, name: str, mapping: mmap.mmap, placements: list[Placement]) -> None:
-        self.name = name
+    def __init__(self, fd: int, mapping: ctypes.Array, placements: list[Placement]) -> None:
+        self.fd: int | None = fd  # kept until handed over
         self.placements = placements
         self._mapping = mapping
         self.tensors = {p.spec.name: _tensor(mapping, p.spec, p.offset) for p in placements}
 
     @classmethod
-    def create(cls, layout: Layout, prefix: str = "tiercache") -> "SharedBuffers":
+    def create(cls, layout: Layout) -> "SharedBuffers":
         placements, size = plan(layout)
-        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
-        fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.memfd_create("tiercache-buffers", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
-            mapping = mmap.mmap(fd, size)
-        finally:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
+            mapping = map_shared(fd, size)
+        except BaseException:
             os.close(fd)
-        return cls(name, mapping, placements)
+            raise
+        return cls(fd, mapping, placements)
+
+    def hand_over(self, path: str) -> bytes:
+        """Pass the memfd to the daemon listening on `path`; its ticket. The descriptor is
+        closed either way: the mapping keeps the memory."""
+        assert self.fd is not None, "handed over already"
+        try:
+            return hand_over(path, self.fd)
+        finally:
+            self.close_fd()
+
+    def close_fd(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def close(self) -> None:
-        """Unlink the object; the memory goes once every mapping of it is gone."""
+        """Drop this side's view; the memory goes once the daemon's mapping is gone too."""
+        self.close_fd()
         self.tensors = {}
+
+
+def hand_over(path: str, fd: int, timeout: float = 10.0) -> bytes:
+    """The worker's end of the handover: send `fd` to the daemon at `path`, get a ticket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(timeout)
         try:
-            os.unlink(_path(self.name))
-        except FileNotFoundError:
-            pass
+            conn.connect(path)
+            socket.send_fds(conn, [MAGIC], [fd])
+            reply = _read_reply(conn)
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise Unavailable(f"no tiercache daemon takes buffers at {path}: is it running, and "
+                              "is this its socket (pass handover= to Client otherwise)?") from None
+        except OSError as error:
+            raise Unavailable(f"handing the buffers to the daemon at {path} failed: {error}") from None
+    if reply.startswith(b"OK") and len(reply) == 2 + TICKET_BYTES:
+        return reply[2:]
+    raise FailedPrecondition("the daemon refused the buffers: "
+                             + reply[2:].decode(errors="replace"))
 
 
-def attach(layout: Layout, where: dict[str, tuple[str, int]]) -> dict[str, torch.Tensor]:
-    """The daemon's side: map each worker object once and view every buffer of `layout`
-    at its (object name, offset) in `where`."""
-    mappings: dict[str, mmap.mmap] = {}
+def _read_reply(conn: socket.socket) -> bytes:
+    reply = b""
+    while len(reply) < _REPLY_BYTES:
+        part = conn.recv(_REPLY_BYTES - len(reply))
+        if not part:
+            break
+        reply += part
+    return reply
+
+
+def map_sealed(fd: int, max_bytes: int) -> ctypes.Array:
+    """The daemon's end: map a descriptor a worker sent, if it is a sealed memfd of a sane
+    size (raises InvalidArgument otherwise). The caller closes `fd`; the mapping stays."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise InvalidArgument("the descriptor is not a memory file: create buffers with "
+                              "tiercache.shm.SharedBuffers (a sealed memfd)")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise InvalidArgument("the descriptor is not a memfd that can be sealed: create it with "
+                              "memfd_create(MFD_ALLOW_SEALING)") from None
+    if seals & SEALS != SEALS:
+        raise InvalidArgument("the memfd is not sealed against shrinking and growing: add "
+                              "F_SEAL_SHRINK | F_SEAL_GROW before handing it over")
+    if not 0 < info.st_size <= max_bytes:
+        raise InvalidArgument(f"the memfd holds {info.st_size} bytes: give 1 to {max_bytes}")
+    return map_shared(fd, info.st_size)
+
+
+def attach(layout: Layout, where: dict[str, tuple[ctypes.Array, int]]) -> dict[str, torch.Tensor]:
+    """The daemon's side: view every buffer of `layout` at its (mapping, offset) in `where`."""
     tensors = {}
     for spec in (*layout.paged, *layout.slots):
-        name, offset = where[spec.name]
-        if name not in mappings:
-            mappings[name] = _map(name)
-        size = len(mappings[name])
-        if offset < 0 or offset + spec.rows * spec.row_bytes > size:
+        mapping, offset = where[spec.name]
+        if offset < 0 or offset + spec.rows * spec.row_bytes > len(mapping):
             raise InvalidArgument(f"buffer {spec.name!r} at offset {offset} runs past the end of "
-                                  f"shared-memory object {name!r} ({size} bytes)")
-        tensors[spec.name] = _tensor(mappings[name], spec, offset)
+                                  f"its shared memory ({len(mapping)} bytes)")
+        tensors[spec.name] = _tensor(mapping, spec, offset)
     return tensors
-
-
-def _map(name: str) -> mmap.mmap:
-    try:
-        fd = os.open(_path(name), os.O_RDWR)
-    except FileNotFoundError:
-        raise NotFound(f"shared-memory object {name!r} does not exist: create the buffers "
-                       "before registering, and register from the same machine") from None
-    try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
+import stat
 
 import numpy as np
 
-from tiercache.errors import FailedPrecondition
+from tiercache.errors import FailedPrecondition, InvalidArgument
+
+log = logging.getLogger("tiercache")
 
 SECRET_BYTES = 32
 _TAG = b"tiercache/namespace-mask/v2\0"
@@ -58,6 +62,7 @@ def load_secret(path: str) -> bytes:
             pass
         finally:
             os.unlink(temporary)
+    check_private(path, "secret")
     with open(path, "rb") as f:
         secret = f.read()
     if len(secret) != SECRET_BYTES:
@@ -65,3 +70,20 @@ def load_secret(path: str) -> bytes:
                                  f"{SECRET_BYTES}): restore it, or delete it to start afresh "
                                  "(cached entries become unreachable)")
     return secret
+
+
+def check_private(path: str, what: str) -> os.stat_result:
+    """Refuse a file or directory that another user owns or that others may write (they
+    could name tenants, tokens or keys of their choosing); warn if others may read it."""
+    try:
+        found = os.stat(path)
+    except OSError as error:
+        raise InvalidArgument(f"{what} {path}: {error.strerror}") from None
+    if found.st_uid not in (os.getuid(), 0):
+        raise InvalidArgument(f"{what} {path} belongs to user {found.st_uid}, not to the daemon's "
+                              f"user {os.getuid()}: chown it")
+    if found.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise InvalidArgument(f"{what} {path} may be written by others: chmod go-w it")
+    if not stat.S_ISDIR(found.st_mode) and found.st_mode & (stat.S_IRGRP | stat.S_IROTH):
+        log.warning("%s %s is readable by others: chmod 600 it", what, path)
+    return found

@@ -23,7 +23,7 @@ from tiercache.index import Index, Kind, Tier
 from tiercache.metrics import Traffic
 from tiercache.policy import EvictionPolicy, FlopAware
 from tiercache.tiers.arena import SlotArena
-from tiercache.tiers.disk import DiskFull, DiskTier, as_array
+from tiercache.tiers.disk import DiskError, DiskFull, DiskTier, as_array
 from tiercache.tuning import AlphaTuner
 
 log = logging.getLogger("tiercache.tiering")
@@ -184,13 +184,16 @@ class Tiering:
 
     def write(self, batch: DiskBatch) -> bool:
         """Write a batch in one transaction (no engine lock needed: its rows are pinned).
-        False when LMDB stays full after the retries."""
+        False when LMDB stays full after the retries, or the disk refuses writes (the
+        tier counts and logs that)."""
         assert self.disk is not None
         for _ in range(_DISK_RETRIES):
             try:
                 with self.traffic.timed("host", "disk", batch.nbytes):
                     self.disk.write(batch.entries, batch.checks)
                 return True
+            except DiskError:
+                return False
             except DiskFull:  # LMDB's own overhead beyond the budget: make more room, retry
                 with self.lock:
                     if not self.evict(Tier.DISK, max(batch.nbytes, self.disk.budget_bytes // 10)):

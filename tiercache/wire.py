@@ -35,6 +35,16 @@ def status_of(error: TiercacheError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+_DETAILS_CHARS = 400  # what a status message says at most: it may quote client input
+
+
+def details_of(error: TiercacheError) -> str:
+    """The error's message for a status, cut short: a message quoting a megabyte of the
+    client's input would fail as a too-large trailer instead of saying what was wrong."""
+    text = str(error)
+    return text if len(text) <= _DETAILS_CHARS else text[:_DETAILS_CHARS] + "... (cut short)"
+
+
 def error_of(error: grpc.RpcError) -> TiercacheError:
     """The domain error a failed call stands for, with the daemon's message."""
     code = error.code()  # type: ignore[attr-defined]

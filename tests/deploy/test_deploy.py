@@ -22,7 +22,7 @@ from service.config import ServiceConfig, host_port
 from service.metrics import METRICS
 from service.server import SERVICE_NAME
 from tests.service.daemon import needs_promtool
-from tiercache.shm import SHM_DIR
+from service.handover import handover_path
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -52,10 +52,10 @@ def test_the_pod_shares_socket_memory_and_gpu_and_probes_real_ports():
     # the socket lies in a volume both containers mount at the same place ...
     socket_dir = str(Path(config.socket_path).parent)
     assert mounts["tiercache"]["socket"] == mounts["worker"]["socket"] == socket_dir
-    # ... the worker's client is pointed at it, and both share /dev/shm
+    # ... the worker's client is pointed at it, and finds the buffer handover beside it
     env = {e["name"]: e["value"] for e in worker["env"]}
     assert env["TIERCACHE_ADDRESS"] == f"unix:{config.socket_path}"
-    assert mounts["tiercache"]["shm"] == mounts["worker"]["shm"] == SHM_DIR
+    assert Path(handover_path(config.socket_path)).parent == Path(socket_dir)
     assert mounts["tiercache"]["cache"] == config.data_dir
     # one GPU claim for both; one uid for both (the socket is 0600)
     assert sidecar["resources"]["claims"] == worker["resources"]["claims"] == [{"name": "gpu"}]

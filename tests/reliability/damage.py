@@ -113,6 +113,13 @@ def zero_meta_pages(path: str) -> None:
         f.write(bytes(2 * 4096))
 
 
+def garble_meta_page(path: str, page: int, rng: np.random.Generator) -> None:
+    """Random bytes over one of LMDB's two meta pages; the other stays sound."""
+    with open(_data_file(path), "r+b") as f:
+        f.seek(page * 4096)
+        f.write(rng.bytes(4096))
+
+
 def garbage_lock(path: str, rng: np.random.Generator) -> None:
     with open(os.path.join(path, "lmdb", "lock.mdb"), "wb") as f:
         f.write(rng.bytes(8192))

@@ -53,6 +53,17 @@ def test_a_garbage_lock_file_is_rebuilt_and_loses_nothing(tier):
     assert (result["exact"], result["moved_aside"]) == (PROMPTS, 0)
 
 
+@pytest.mark.parametrize("page", [0, 1])
+def test_one_damaged_meta_page_is_restored_from_the_other(tier, page):
+    # LMDB keeps two meta pages for this: the environment is kept, not moved aside, and
+    # what it serves is exact (a prompt of the last commit may be missing, nothing wrong)
+    damage.garble_meta_page(tier, page, np.random.default_rng(6))
+    result = damage.check_in_child(tier, PROMPTS)
+    assert "crashed" not in result and "failed" not in result, result
+    assert result["moved_aside"] == 0 and result["wrong"] == 0
+    assert result["exact"] >= PROMPTS - 1 and "restored it from meta page" in result["log"]
+
+
 @pytest.mark.parametrize("break_it", [
     damage.zero_meta_pages,
     lambda path: damage.garbage_file(path, np.random.default_rng(5)),

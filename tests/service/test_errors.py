@@ -58,11 +58,11 @@ CASES = {
             pb.BufferSpec(name="k", rows=4, row_shape=[8], dtype="bfloat16")]))))),
     "register, buffers that do not match the layout": (CODE.INVALID_ARGUMENT, lambda s, w: next(
         s.Register(pb.RegisterRequest(model_id="m", layout=layout_to_proto(LAYOUT), buffers=[
-            pb.BufferLocation(name="kv0", nbytes=12, shm=pb.SharedMemoryBuffer(name="x"))])))),
+            pb.BufferLocation(name="kv0", nbytes=12, shm=pb.SharedMemoryBuffer(ticket=b"x"))])))),
     "register, missing shared memory": (CODE.NOT_FOUND, lambda s, w: next(s.Register(
         pb.RegisterRequest(model_id="m", layout=layout_to_proto(LAYOUT), buffers=[
             pb.BufferLocation(name=b.name, nbytes=b.rows * b.row_bytes,
-                              shm=pb.SharedMemoryBuffer(name="tiercache-missing"))
+                              shm=pb.SharedMemoryBuffer(ticket=b"\0" * 16))
             for b in (*LAYOUT.paged, *LAYOUT.slots)])))),
     "oversized request": (CODE.RESOURCE_EXHAUSTED, lambda s, w: s.Match(
         pb.MatchRequest(worker_id=w._backend._id, keys=b"\1" * (2 << 20)))),

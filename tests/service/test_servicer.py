@@ -12,6 +12,7 @@ from service.workers import WorkerRegistry
 from tests.service.worker_process import LAYOUT, prompt
 from tiercache.engine import Engine, EngineConfig
 from tiercache.hashing import key_array, page_keys
+from service.handover import Handover
 from tiercache.shm import SharedBuffers
 from tiercache.tiers.host import HostConfig
 from tiercache.v1 import tiercache_pb2 as pb
@@ -46,18 +47,22 @@ class Context:
 
 
 @pytest.fixture
-def served():
+def served(tmp_path):
     engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=1 << 24)))
-    servicer = TiercacheServicer(engine, WorkerRegistry(4, engine.quiesce), max_prompt_pages=1000)
+    handover = Handover(str(tmp_path / "fds")).start()  # the real handover, on a real socket
+    servicer = TiercacheServicer(engine, WorkerRegistry(4, engine.quiesce, tickets=handover),
+                                 max_prompt_pages=1000)
     shared = SharedBuffers.create(LAYOUT)
+    ticket = shared.hand_over(handover.path)
     request = pb.RegisterRequest(model_id="test-model", layout=layout_to_proto(LAYOUT), buffers=[
         pb.BufferLocation(name=p.spec.name, nbytes=p.nbytes,
-                          shm=pb.SharedMemoryBuffer(name=shared.name, offset=p.offset))
+                          shm=pb.SharedMemoryBuffer(ticket=ticket, offset=p.offset))
         for p in shared.placements])
     stream = servicer.Register(request, Context())
     reply = next(stream)
     yield servicer, reply, engine
     servicer.registry.remove_all()
+    handover.stop()
     shared.close()
     engine.close()
 

@@ -96,6 +96,7 @@ def test_a_victim_the_writer_has_not_reached_is_written_by_the_eviction(tmp_path
     engine.close()
 
 
+@pytest.mark.concurrent  # stalls the background thread mid-work
 def test_a_disk_write_publishes_after_its_commit_and_pins_what_it_reads(tmp_path):
     engine = open_engine(tmp_path, host="through")
     worker = random_buffers(LAYOUT, seed=1)
@@ -122,6 +123,7 @@ def test_a_disk_write_publishes_after_its_commit_and_pins_what_it_reads(tmp_path
     engine.close()
 
 
+@pytest.mark.concurrent  # stalls the background thread mid-work
 def test_a_failed_disk_write_surfaces_at_the_barrier_and_leaves_entries_in_the_host(tmp_path):
     engine = open_engine(tmp_path, host="through")
     keys = prompt_keys(LAYOUT, seed=1, pages=2)
@@ -216,6 +218,7 @@ def start_load(engine, worker, keys, results):
     return loader
 
 
+@pytest.mark.concurrent  # stalls the background thread mid-work
 def test_a_load_waits_for_a_promotion_in_flight_and_never_reads_torn_bytes(tmp_path):
     engine, worker, keys = flushed_to_disk_only(tmp_path)
     copying, release = slow_copies(engine, "tiercache-background")
@@ -240,6 +243,7 @@ def test_a_load_waits_for_a_promotion_in_flight_and_never_reads_torn_bytes(tmp_p
     engine.close()
 
 
+@pytest.mark.concurrent  # stalls the background thread mid-work
 def test_two_loads_of_one_disk_hit_promote_it_once(tmp_path):
     engine, worker, keys = flushed_to_disk_only(tmp_path)
     copying, release = slow_copies(engine, "first")

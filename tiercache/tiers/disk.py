@@ -9,6 +9,7 @@ grows under load: a full map is reported as `DiskFull` and the engine evicts and
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import threading
@@ -22,7 +23,7 @@ import numpy as np
 import xxhash
 
 from tiercache import failpoints
-from tiercache.errors import InvalidArgument, ResourceExhausted
+from tiercache.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tiercache.hashing import KEY_BYTES, PageKey
 from tiercache.index import Kind
 from tiercache.tiers import recovery
@@ -33,6 +34,8 @@ GiB = 1 << 30
 # the map, and the rest stays for the deletes of eviction.
 _HIGH_WATER = 0.75
 _DELETES_PER_COMMIT = 128
+_RETRY_SECONDS = 5.0  # after the disk refused a write, writes wait this long before trying
+log = logging.getLogger("tiercache.disk")
 
 # magic, kind, format version, depth, payload bytes, checksum, created (ns since epoch),
 # check (what a match must bring to hit the entry: index.Index.verified); then a checksum
@@ -74,6 +77,11 @@ class DiskRecord:
 
 class DiskFull(ResourceExhausted):
     """LMDB's map is full: evict and retry."""
+
+
+class DiskError(Unavailable):
+    """The disk under LMDB refused a write (no space left, an I/O error): the entries stay
+    in memory, and the tier tries again only after `_RETRY_SECONDS`."""
 
 
 def _db_key(kind: Kind, key: bytes) -> bytes:
@@ -151,6 +159,8 @@ class DiskTier:
         self.data_db = env.open_db(b"data")
         self.used_bytes = 0
         self.checksum_failures = 0
+        self.write_errors = 0  # writes the disk refused (ENOSPC, EIO): counted, logged once
+        self._failing_until = 0.0  # while the disk refuses writes: when to try again
         self.moved_aside = moved_aside  # where a damaged environment went at open, if one did
         self._owner = owner  # the lock that makes this process the environment's only user
         self._counting = threading.Lock()  # writes and deletes may run on different threads
@@ -162,11 +172,12 @@ class DiskTier:
         os.makedirs(os.path.dirname(os.path.abspath(config.path)), exist_ok=True)
         owner = recovery.lock(config.path)
         try:
-            # writemap: values are copied once, straight into the file's pages; LMDB still
-            # writes only to free pages, so a crash never damages committed entries.
+            # no writemap: with a writable map, a disk that runs out of space under the
+            # sparse file answers a write with SIGBUS, which kills the daemon; written with
+            # pwrite, it answers ENOSPC, an error that fails one batch
             env, aside = recovery.open_environment(
                 config.path, config.check_on_open, map_size=config.map_size, max_dbs=2,
-                sync=config.sync, metasync=config.sync, meminit=False, writemap=True,
+                sync=config.sync, metasync=config.sync, meminit=False, writemap=False,
                 max_readers=512)
         except BaseException:
             owner.close()
@@ -181,30 +192,47 @@ class DiskTier:
               checks: Sequence[int] | None = None) -> None:
         """Write (kind, key, depth, payload) entries, with their checks (0 if not given), in
         one transaction: all or nothing."""
+        if time.monotonic() < self._failing_until:
+            self.write_errors += 1
+            raise DiskError("the disk refused the last write: writes resume in a few seconds")
         created = time.time_ns()
-        added = 0
-        checks = [0] * len(entries) if checks is None else checks
         try:
-            with self.env.begin(write=True) as txn:
-                for (kind, key, depth, payload), check in zip(entries, checks, strict=True):
-                    view = memoryview(payload).cast("B")  # type: ignore[arg-type]
-                    dkey = _db_key(kind, key)
-                    header = _seal(dkey, _HEADER.pack(
-                        _MAGIC, kind, _VERSION, depth, view.nbytes,
-                        _checksum(kind, key, depth, check, view), created, check))
-                    if not txn.put(dkey, header, db=self.meta_db, overwrite=False):
-                        continue  # already on disk
-                    txn.put(dkey, view, db=self.data_db)
-                    added += view.nbytes
-                if self._pages(txn) > self._page_limit:
-                    raise DiskFull(f"LMDB map of {self.config.map_size} bytes is {_HIGH_WATER:.0%} "
-                                   "full: the rest is kept for deletes")
-                failpoints.hit("disk.before_commit")  # an exception here aborts the transaction
+            added = self._write(entries, [0] * len(entries) if checks is None else checks, created)
         except lmdb.MapFullError as error:
             raise DiskFull(f"LMDB map of {self.config.map_size} bytes is full") from error
+        except lmdb.Error as error:  # the file system: out of space, an I/O error
+            self.write_errors += 1
+            if not self._failing_until:
+                log.error("writing to the disk tier at %s failed (%s): entries stay in memory "
+                          "only; retrying every %.0f s", self.config.path, error, _RETRY_SECONDS)
+            self._failing_until = time.monotonic() + _RETRY_SECONDS
+            raise DiskError(f"the disk tier at {self.config.path} refused a write: {error}") from None
+        if self._failing_until:
+            log.warning("the disk tier at %s takes writes again", self.config.path)
+            self._failing_until = 0.0
         with self._counting:
             self.used_bytes += added
         failpoints.hit("disk.after_commit")
+
+    def _write(self, entries: Sequence[tuple[Kind, PageKey, int, object]], checks: Sequence[int],
+               created: int) -> int:
+        added = 0
+        with self.env.begin(write=True) as txn:
+            for (kind, key, depth, payload), check in zip(entries, checks, strict=True):
+                view = memoryview(payload).cast("B")  # type: ignore[arg-type]
+                dkey = _db_key(kind, key)
+                header = _seal(dkey, _HEADER.pack(
+                    _MAGIC, kind, _VERSION, depth, view.nbytes,
+                    _checksum(kind, key, depth, check, view), created, check))
+                if not txn.put(dkey, header, db=self.meta_db, overwrite=False):
+                    continue  # already on disk
+                txn.put(dkey, view, db=self.data_db)
+                added += view.nbytes
+            if self._pages(txn) > self._page_limit:
+                raise DiskFull(f"LMDB map of {self.config.map_size} bytes is {_HIGH_WATER:.0%} "
+                               "full: the rest is kept for deletes")
+            failpoints.hit("disk.before_commit")  # an exception here aborts the transaction
+        return added
 
     def _pages(self, txn: lmdb.Transaction) -> int:
         """Pages holding entries (as this transaction sees them; free pages not counted)."""

@@ -21,6 +21,7 @@ import fcntl
 import json
 import logging
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -83,6 +84,61 @@ def probe(path: str, timeout: float = 600.0) -> str | None:
     return None
 
 
+# LMDB keeps two meta pages (pages 0 and 1) and commits to them in turn; each names a
+# whole snapshot, and the older snapshot's pages stay untouched until the next commit. One
+# damaged meta page makes LMDB refuse the file (MDB_INVALID), though the other still
+# names a sound snapshot: `repair_meta` copies the sound one over the damaged one.
+_META_FLAG = 0x08  # P_META in the page header's mp_flags (bytes 10-11)
+_META_MAGIC = 0xBEEFC0DE  # mm_magic, right after the 16-byte page header
+_META_VERSION = 1
+_PSIZE_AT = 40  # the page size: mm_dbs[FREE_DBI].md_pad
+_HEADER_BYTES = 64
+
+
+def _sound_meta(page: bytes) -> bool:
+    if len(page) < _HEADER_BYTES:
+        return False
+    flags, = struct.unpack_from("<H", page, 10)
+    magic, version = struct.unpack_from("<II", page, 16)
+    return bool(flags & _META_FLAG) and magic == _META_MAGIC and version == _META_VERSION
+
+
+def repair_meta(path: str) -> bool:
+    """If exactly one of the two meta pages of the environment at `path` is damaged, copy
+    the other over it (the last commit may be lost, nothing older); True if it did."""
+    data = os.path.join(path, "data.mdb")
+    try:
+        with open(data, "r+b") as f:
+            first = f.read(_HEADER_BYTES)
+            psize = struct.unpack_from("<I", first, _PSIZE_AT)[0] if _sound_meta(first) else 0
+            if not psize:  # page 0 is the damaged one: page 1 says the size
+                for guess in (4096, 8192, 16384, 65536):
+                    f.seek(guess)
+                    if _sound_meta(f.read(_HEADER_BYTES)):
+                        psize = guess
+                        break
+            if not psize or psize & (psize - 1):
+                return False
+            f.seek(0)
+            pages = [f.read(psize), f.read(psize)]
+            sound = [_sound_meta(page) for page in pages]
+            if sound.count(True) != 1:
+                return False
+            good = sound.index(True)
+            copy = bytearray(pages[good])
+            struct.pack_into("<Q", copy, 0, 1 - good)  # mp_pgno: the page's own number
+            f.seek((1 - good) * psize)
+            f.write(copy)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        return False
+    log.warning("meta page %d of the LMDB environment at %s was damaged: restored it from meta "
+                "page %d (the last commit may be lost; every entry is still checked by its "
+                "checksum)", 1 - good, path, good)
+    return True
+
+
 def move_aside(path: str, why: str) -> str:
     """Rename a damaged environment out of the way, loudly; returns its new name."""
     aside = f"{path}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
@@ -111,6 +167,8 @@ def open_environment(path: str, check: bool, **options: object
     first if the check finds it broken or it will not open. Returns the environment and
     where a damaged one went. The caller holds `lock(path)`."""
     why = probe(path) if check else None
+    if why is not None and repair_meta(path):
+        why = probe(path)
     aside = move_aside(path, why) if why is not None else None
     for attempt in range(2):
         os.makedirs(path, exist_ok=True)
@@ -123,7 +181,8 @@ def open_environment(path: str, check: bool, **options: object
         except lmdb.Error as error:
             if attempt:
                 raise
-            aside = move_aside(path, f"LMDB will not open it: {error}")
+            if not repair_meta(path):
+                aside = move_aside(path, f"LMDB will not open it: {error}")
     raise AssertionError("unreachable")
 
 

@@ -58,12 +58,12 @@ class Layout(_message.Message):
     def __init__(self, page_tokens: _Optional[int] = ..., paged: _Optional[_Iterable[_Union[BufferSpec, _Mapping]]] = ..., slots: _Optional[_Iterable[_Union[BufferSpec, _Mapping]]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class SharedMemoryBuffer(_message.Message):
-    __slots__ = ("name", "offset")
-    NAME_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("offset", "ticket")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
-    name: str
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     offset: int
-    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, offset: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class CudaIpcBuffer(_message.Message):
     __slots__ = ("handle", "offset", "device_uuid")
