@@ -290,6 +290,8 @@ def test_delete_removes_metadata_and_parts(cluster):
 def test_bad_settings_say_what_to_write():
     with pytest.raises(ValueError, match="redis-cluster://"):
         RemoteConfig("redis://a:1")
+    with pytest.raises(ValueError, match="no user or password"):
+        RemoteConfig("redis-cluster://:hunter2@a:1")
     with pytest.raises(ValueError, match="not host:port"):
         RemoteConfig("redis-cluster://a")
     with pytest.raises(ValueError, match="namespace"):

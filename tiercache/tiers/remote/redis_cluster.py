@@ -88,8 +88,7 @@ class RedisClusterStore:
             return RedisCluster(
                 startup_nodes=[ClusterNode(host, port) for host, port in nodes(config.url)],
                 require_full_coverage=False, retry=Retry(NoBackoff(), 0),
-                socket_timeout=timeout, socket_connect_timeout=config.connect_seconds,
-                password=config.password or None)
+                socket_timeout=timeout, socket_connect_timeout=config.connect_seconds)
         store = cls(config, connect)
         store._cluster_now()
         return store

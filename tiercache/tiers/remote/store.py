@@ -39,7 +39,6 @@ class RemoteConfig:
     connect_seconds: float = 0.25  # to open a connection to a node
     retry_seconds: float = 1.0  # a node that failed is skipped this long, then tried again
     threads: int = 8  # node pipelines in flight at once
-    password: str = ""
 
     def __post_init__(self) -> None:
         nodes(self.url)  # raises for a malformed URL
@@ -62,8 +61,11 @@ def nodes(url: str) -> list[tuple[str, int]]:
     if parts.scheme not in SCHEMES:
         raise InvalidArgument(f"remote URL {url!r}: the scheme must be one of {SCHEMES}, e.g. "
                               "redis-cluster://10.0.0.5:7000")
+    if "@" in parts.netloc:
+        raise InvalidArgument(f"remote URL: write no user or password in it (the daemon logs its "
+                              "settings, and Redis AUTH is not supported yet)")
     found = []
-    for address in parts.netloc.rsplit("@", 1)[-1].split(","):
+    for address in parts.netloc.split(","):
         host, colon, port = address.rpartition(":")
         if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidArgument(f"remote URL {url!r}: {address!r} is not host:port")
