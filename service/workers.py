@@ -17,7 +17,8 @@ import torch
 from service.auth import Identity
 from tiercache import cuda_ipc, shm, tenancy
 from tiercache.buffers import WorkerBuffers
-from tiercache.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from tiercache.errors import (InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
+                              TiercacheError)
 from tiercache.hashing import Namespace, PageKey
 from tiercache.layout import Layout
 from tiercache.v1 import tiercache_pb2 as pb
@@ -34,6 +35,7 @@ class Registration:
     active: int = 0
     gone: threading.Event = field(default_factory=threading.Event)
     identity: Identity = Identity("", "anyone")  # who registered: every call must be them
+    handles: frozenset[bytes] = frozenset()  # the CUDA IPC handles its buffers came by
     mask: np.ndarray | None = None  # the namespace's key mask (tiercache.tenancy), if any
 
     @property
@@ -197,20 +199,35 @@ class WorkerRegistry:
         root = namespace.root()  # checks the namespace before any buffer is mapped
         check_layout(layout, self.limits)
         self._check_room(identity.tenant)
+        self._check_handles(request.buffers, identity)
         buffers, opened = map_buffers(layout, request.buffers, self.limits, self._tickets.redeem)
         mask = None if self._secret is None else tenancy.namespace_mask(self._secret, root)
         registration = Registration(secrets.token_hex(12), namespace, root, buffers, opened,
-                                    identity=identity, mask=mask)
+                                    identity=identity, mask=mask, handles=frozenset(
+                                        bytes(loc.cuda.handle) for loc in request.buffers
+                                        if loc.HasField("cuda")))
         with self._changed:
             try:
                 self._check_room(identity.tenant)
-            except ResourceExhausted:
+                self._check_handles(request.buffers, identity)
+            except TiercacheError:
                 registration.buffers = None
                 for allocation in opened:
                     allocation.close()
                 raise
             self._workers[registration.id] = registration
         return registration
+
+    def _check_handles(self, locations: Sequence[pb.BufferLocation], identity: Identity) -> None:
+        """Refuse CUDA allocations that another identity's worker has registered: a
+        handle is no secret from every process of the machine, and whoever registers an
+        allocation may read and write it through loads and stores."""
+        handles = {bytes(loc.cuda.handle) for loc in locations if loc.HasField("cuda")}
+        with self._changed:
+            for other in self._workers.values():
+                if other.identity != identity and handles & other.handles:
+                    raise PermissionDenied("a CUDA allocation named here is registered by another "
+                                           "identity's worker: register allocations of your own")
 
     def _check_room(self, tenant: str) -> None:
         with self._changed:

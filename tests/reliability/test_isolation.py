@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from service.auth import Authenticator, Tenant, load_tenants
+from service.handover import handover_path
 from tests.reliability import certs, keyed, prompts
 from tests.service.daemon import running_daemon
 from tiercache.client import Client, Tls
@@ -55,7 +56,12 @@ def daemon(tmp_path_factory):
     with running_daemon(folder / "data", "--tenants-file", str(folder / "tenants.toml"),
                         "--tcp", tcp, "--tls-cert", str(made.server[0]), "--tls-key",
                         str(made.server[1]), "--tls-client-ca", str(made.ca)) as (address, _):
-        yield address, tcp, made
+        # workers that connect over TCP hand their buffers over on the socket beside
+        os.environ["TIERCACHE_HANDOVER"] = handover_path(address.removeprefix("unix:"))
+        try:
+            yield address, tcp, made
+        finally:
+            del os.environ["TIERCACHE_HANDOVER"]
 
 
 def mtls(made, name: str) -> Tls:
