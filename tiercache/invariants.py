@@ -9,7 +9,7 @@ what must hold whenever no call is in flight:
 - per tier, the entry counts and byte totals the index keeps equal its rows;
 - every entry in a memory tier has a slot of its own, in a live slab, not on a free
   list; the arena's bytes in use are exactly its entries' (each slot charged its stride);
-- nothing is pinned (no load, promotion or disk write is in flight);
+- nothing is pinned (no load, promotion, disk or remote write is in flight);
 - the disk tier's bytes are its entries'.
 
 Tests call it after each step of an engine scenario; the fuzzer and drills after each
@@ -28,6 +28,8 @@ from tiercache.tiers.arena import SlotArena
 def violations(engine: Engine) -> list[str]:
     if engine.moving.background.running:
         engine.moving.drain()
+    if engine.remote is not None:  # its writer pins what it reads, like the disk writer
+        engine.remote.drain()
     with engine._lock:
         engine.moving.reap()
         index, found = engine.index, []
