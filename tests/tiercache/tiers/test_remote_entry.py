@@ -16,6 +16,7 @@ def test_keys_tag_the_namespace_kind_and_page_key_and_nothing_else():
     keys = fmt.entry_keys("tc", "fleet", ref, 2)
     tag = b"tc:{fleet:c:000102030405060708090a0b0c0d0e0f}:"
     assert keys == fmt.Keys(tag + b"m", (tag + b"0", tag + b"1"))
+    assert fmt.meta_keys("tc", "fleet", [ref]) == [keys.meta]
     # a page and a checkpoint of the same key are two entries in different slots' tags
     assert fmt.entry_keys("tc", "fleet", EntryRef(Kind.PAGE, ref.key), 0).meta != keys.meta
 

@@ -103,6 +103,12 @@ def entry_keys(prefix: str, namespace: str, ref: EntryRef, parts: int) -> Keys:
     return Keys((tag + "m").encode(), tuple(f"{tag}{i}".encode() for i in range(parts)))
 
 
+def meta_keys(prefix: str, namespace: str, refs: list[EntryRef]) -> list[bytes]:
+    """The metadata keys of `refs` (as entry_keys names them): a lookup names thousands."""
+    heads = {kind: f"{prefix}:{{{namespace}:{letter}:".encode() for kind, letter in _KIND_LETTER.items()}
+    return [heads[ref.kind] + ref.key.hex().encode() + b"}:m" for ref in refs]
+
+
 def checksum(ref: EntryRef, depth: int, check: int, parts: Iterable[object]) -> int:
     """xxh3-64 of the entry's identity and bytes: a value moved under another key, or
     written by another store of the same key whose bytes differ, fails it."""

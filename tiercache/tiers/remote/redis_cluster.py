@@ -96,7 +96,7 @@ class RedisClusterStore:
     # -- the contract -------------------------------------------------------------------
     def exists(self, refs: Sequence[EntryRef], seconds: float | None = None) -> Found:
         start = time.perf_counter()
-        keys = [self._keys(ref, 0).meta for ref in refs]
+        keys = fmt.meta_keys(self.config.prefix, self.config.namespace, list(refs))
         replies = self._run([_Routed(k, [("GET", k)]) for k in keys],
                             self.config.lookup_seconds if seconds is None else seconds)
         metas: list[Meta | None] = []
