@@ -275,7 +275,13 @@ class RemoteTier:
         self.writer.drain()
 
     def close(self) -> None:
-        """Write what is queued (each batch within the store's put budget), then close."""
+        """Give up the writes still queued (counted as skipped: a remote copy is best
+        effort, and a slow cluster must not hold up a shutdown), finish the batch in
+        flight (within the store's put budget), then close."""
+        with self._queue_lock:
+            self.counters["remote_write_skipped"] += self._queued
+            self._queue.clear()
+            self._queued = 0
         self.writer.stop()
         self.store.close()
 
