@@ -36,7 +36,7 @@ from tests.redis_cluster import Cluster, redis_cluster
 from tiercache.buffers import WorkerBuffers
 from tiercache.engine import Engine, EngineConfig
 from tiercache.hashing import Namespace, page_keys
-from tiercache.index import Kind
+from tiercache.results import Kind
 from tiercache.layout import BufferSpec, Layout
 from tiercache.remote import RemoteTierConfig
 from tiercache.tiers.host import HostConfig

@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 
 from tiercache.events import Blocks, Change
-from tiercache.index import Kind
+from tiercache.results import Kind
 
 GROUPS = {Kind.PAGE: (0, "full_attention"), Kind.CHECKPOINT: (1, "mamba")}
 

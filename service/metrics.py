@@ -19,7 +19,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from tiercache.engine import Engine
-from tiercache.index import Tier
+from tiercache.results import Tier
 from tiercache.metrics import BUCKETS, HopStats
 from tiercache.tiers.remote.store import Damage, Failure
 

@@ -27,14 +27,15 @@ from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from tiercache.events import Change, EventLog
 from tiercache.hashing import Keys, distinct_keys, key_array
-from tiercache.index import Hit, Index, Kind, Match, StopReason, Tier
+from tiercache.index import Hit, Index
 from tiercache.keymap import KeyMap
 from tiercache.layout import Layout
 from tiercache.metrics import Traffic, byte_counters, count_match, match_counters
 from tiercache.movement import Group, Movement, Transfer
 from tiercache.policy import PolicyConfig, make_policy
 from tiercache.remote import RemoteTier, RemoteTierConfig, local_view
-from tiercache.results import EngineStats, LoadResult, StoreResult, TierStats
+from tiercache.results import (EngineStats, Kind, LoadResult, Match, StopReason, StoreResult, Tier,
+                               TierStats)
 from tiercache.tiering import Tiering
 from tiercache.tiers.arena import SlotArena
 from tiercache.tiers.device import DeviceConfig, device_arena

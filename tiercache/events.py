@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiercache.hashing import key_list
-from tiercache.index import Kind, Tier
+from tiercache.results import Kind, Tier
 from tiercache.keymap import KeyMap
 
 MEDIUM = {Tier.DEVICE: "GPU", Tier.HOST: "CPU", Tier.DISK: "DISK"}

@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from tiercache.engine import Engine
-from tiercache.index import ARENA_TIERS, TIERS, Index, Kind, Tier
+from tiercache.index import Index
+from tiercache.results import ARENA_TIERS, TIERS, Kind, Tier
 from tiercache.tiers.arena import SlotArena
 
 

@@ -17,7 +17,7 @@ from typing import Iterator, MutableMapping
 
 import numpy as np
 
-from tiercache.index import Match, Tier
+from tiercache.results import Match, Tier
 
 # Where bytes can be: the worker's own buffers and the three tiers, nearest first.
 PLACES = ("worker", "device", "host", "disk", "remote")

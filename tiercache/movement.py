@@ -32,7 +32,8 @@ import torch
 
 from tiercache import failpoints
 from tiercache.background import Background
-from tiercache.index import Index, Kind, Tier
+from tiercache.index import Index
+from tiercache.results import Kind, Tier
 from tiercache.policy import WriteConfig
 from tiercache.tiering import Tiering
 from tiercache.tiers.arena import SlabPart

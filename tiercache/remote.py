@@ -29,9 +29,10 @@ import numpy as np
 from tiercache.background import Background
 from tiercache.events import REMOTE_MEDIUM, Change, EventLog
 from tiercache.hashing import key_list
-from tiercache.index import Index, Kind, Match, StopReason, Tier, best_tiers
+from tiercache.index import Index, best_tiers
 from tiercache.layout import Layout
 from tiercache.metrics import Traffic
+from tiercache.results import Kind, Match, StopReason, Tier
 from tiercache.tiers.arena import SlotArena
 from tiercache.tiers.remote.entry import EntryRef, Meta
 from tiercache.tiers.remote.store import Entry, RemoteConfig, RemoteStore, Wanted

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from tiercache.hashing import key_list
-from tiercache.index import Index, Kind, Tier
+from tiercache.index import Index
+from tiercache.results import Kind, Tier
 from tiercache.metrics import Traffic
 from tiercache.policy import EvictionPolicy, FlopAware
 from tiercache.tiers.arena import SlotArena

@@ -17,7 +17,8 @@ import math
 
 import numpy as np
 
-from tiercache.index import Candidates, Kind
+from tiercache.index import Candidates
+from tiercache.results import Kind
 from tiercache.keymap import KeyMap
 
 _RECENCY, _VALUE = 1, 2  # blame codes; 0 marks a forgotten ring slot

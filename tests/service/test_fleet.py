@@ -10,7 +10,7 @@ import pytest
 
 from service.fleet import ALL_TENANTS, Fleet, names
 from tiercache.events import Change, EventLog
-from tiercache.index import Tier
+from tiercache.results import Tier
 
 
 def worker(tenant: str, model: str = "m"):

@@ -19,7 +19,7 @@ from tests.service.daemon import ROOT, running_daemon
 from tests.service.worker_process import LAYOUT, PAGES, prompt
 from service.stats_cli import render
 from tiercache.client import Client
-from tiercache.index import Tier
+from tiercache.results import Tier
 
 pytestmark = needs_redis
 PROMPTS = 3

@@ -7,7 +7,7 @@ import torch
 
 from tiercache.buffers import WorkerBuffers
 from tiercache.engine import Engine, EngineConfig
-from tiercache.index import Tier
+from tiercache.results import Tier
 from tiercache.policy import PolicyConfig, WriteConfig
 from tiercache.tiers.device import DeviceConfig
 from tiercache.tiers.disk import DiskConfig

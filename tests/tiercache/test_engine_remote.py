@@ -15,7 +15,7 @@ from tests.tiercache.helpers import (hybrid_layout, page_bytes, prompt_keys, ran
 from tiercache.engine import Engine, EngineConfig
 from tiercache.events import REMOTE_MEDIUM, EventLog
 from tiercache.hashing import key_array
-from tiercache.index import Kind, StopReason, Tier
+from tiercache.results import Kind, StopReason, Tier
 from tiercache.remote import RemoteTierConfig
 from tiercache.tiers.host import HostConfig
 from tiercache.tiers.remote.store import RemoteConfig

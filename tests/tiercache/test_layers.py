@@ -11,14 +11,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # room -> the tiercache modules it may import (a prefix allows a package)
 ALLOWED = {
-    "tiercache/tiers/remote": ("tiercache.errors", "tiercache.hashing", "tiercache.index",
+    "tiercache/tiers/remote": ("tiercache.errors", "tiercache.hashing", "tiercache.results",
                                "tiercache.metrics", "tiercache.tiers.remote"),
     "tiercache/remote.py": ("tiercache.background", "tiercache.events", "tiercache.hashing",
                             "tiercache.index", "tiercache.layout", "tiercache.metrics",
+                            "tiercache.results",
                             "tiercache.tiers.arena", "tiercache.tiers.remote"),
     "service/fleet.py": ("service.workers", "tiercache.errors", "tiercache.events"),
-    "tiercache/events.py": ("tiercache.hashing", "tiercache.index", "tiercache.keymap"),
-    "service/kv_encoding.py": ("tiercache.events", "tiercache.index"),
+    "tiercache/events.py": ("tiercache.hashing", "tiercache.results", "tiercache.keymap"),
+    "service/kv_encoding.py": ("tiercache.events", "tiercache.results"),
     "service/kv_events.py": ("service.kv_encoding", "tiercache.errors", "tiercache.events"),
 }
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tiercache.engine import Engine, EngineConfig
-from tiercache.index import Kind, Tier
+from tiercache.results import Kind, Tier
 from tiercache.layout import Layout
 from tiercache.policy import PolicyConfig, WriteConfig
 from tiercache.tiers.disk import DiskConfig

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from tiercache.engine import Engine, EngineConfig
-from tiercache.index import Candidates, Kind
+from tiercache.index import Candidates
+from tiercache.results import Kind
 from tiercache.layout import Layout
 from tiercache.policy import PolicyConfig
 from tiercache.tiers.host import HostConfig

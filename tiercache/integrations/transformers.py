@@ -35,7 +35,7 @@ from tiercache.client import Client, EmbeddedClient
 from tiercache.engine import Engine, LoadResult, StoreResult
 from tiercache.errors import InvalidArgument
 from tiercache.hashing import Keys, PageKey
-from tiercache.index import Match, StopReason
+from tiercache.results import Match, StopReason
 from tiercache.integrations.hf_cache import (
     Cache, CacheSpec, DynamicCache, Staging, UnsupportedCache)
 from tiercache.layout import Layout

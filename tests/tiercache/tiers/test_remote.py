@@ -16,7 +16,7 @@ import pytest
 from tests.redis_cluster import Cluster, needs_redis, redis_cluster
 from tiercache import tenancy
 from tiercache.hashing import Namespace
-from tiercache.index import Kind
+from tiercache.results import Kind
 from tiercache.tiers.remote import entry as fmt
 from tiercache.tiers.remote.entry import EntryRef
 from tiercache.tiers.remote.redis_cluster import RedisClusterStore

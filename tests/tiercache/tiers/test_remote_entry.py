@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tiercache.index import Kind
+from tiercache.results import Kind
 from tiercache.tiers.remote import entry as fmt
 from tiercache.tiers.remote.entry import EntryRef
 

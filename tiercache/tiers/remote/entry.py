@@ -29,7 +29,7 @@ import xxhash
 
 from tiercache.errors import InvalidArgument
 from tiercache.hashing import KEY_BYTES
-from tiercache.index import Kind
+from tiercache.results import Kind
 
 MiB = 1 << 20
 MAX_PART_BYTES = 512 * MiB  # Redis' default proto-max-bulk-len: no value may be larger

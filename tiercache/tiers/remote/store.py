@@ -19,8 +19,8 @@ from typing import Protocol, Sequence
 from urllib.parse import urlsplit
 
 from tiercache.errors import InvalidArgument
-from tiercache.index import Kind
 from tiercache.metrics import BUCKETS
+from tiercache.results import Kind
 from tiercache.tiers.remote.entry import MAX_PART_BYTES, EntryRef, Meta, check_namespace
 
 MiB = 1 << 20
