@@ -41,7 +41,7 @@ from tiercache.layout import BufferSpec, Layout
 from tiercache.remote import RemoteTierConfig
 from tiercache.tiers.host import HostConfig
 from tiercache.tiers.remote import entry as fmt
-from tiercache.tiers.remote import redis_cluster as adapter
+from tiercache.tiers.remote import resp
 from tiercache.tiers.remote.entry import EntryRef
 from tiercache.tiers.remote.store import Entry, RemoteConfig, Wanted, open_store
 
@@ -84,7 +84,7 @@ class Peer:
     def __init__(self, cluster: Cluster, entries: list[Entry]) -> None:
         self.client = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
         prefix = uuid.uuid4().hex
-        self.batches = adapter._batches([e.payload.nbytes for e in entries])
+        self.batches = resp.batches([e.payload.nbytes for e in entries])
         self.parts = [[(f"{prefix}:{{{e.ref.key.hex()}}}:{i}", e.payload[a:b])
                        for i, (a, b) in enumerate(fmt.part_spans(e.payload.nbytes, 16 * MiB))]
                       for e in entries]

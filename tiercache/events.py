@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiercache.hashing import key_list
-from tiercache.results import Kind, Tier
 from tiercache.keymap import KeyMap
+from tiercache.results import Kind, Tier
 
 MEDIUM = {Tier.DEVICE: "GPU", Tier.HOST: "CPU", Tier.DISK: "DISK"}
 REMOTE_MEDIUM = "REMOTE"  # entries this cache wrote to the shared remote tier

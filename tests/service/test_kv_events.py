@@ -17,7 +17,7 @@ import zmq
 
 from service.kv_events import END_SEQ, KvEventPublisher, KvEventsConfig
 from tiercache.events import REMOTE_MEDIUM, Change, EventLog, EventLogConfig
-from tiercache.results import Kind, Tier
+from tiercache.results import Tier
 
 
 # -- vllm/distributed/kv_events.py as of v0.28: the struct options and fields, declared

@@ -29,15 +29,12 @@ from redis.retry import Retry
 from tiercache.tiers.remote import entry as fmt
 from tiercache.tiers.remote.entry import EntryRef, Meta
 from tiercache.tiers.remote.incidents import Incidents
+from tiercache.tiers.remote.resp import Command, batches, failure_of, pack
 from tiercache.tiers.remote.store import (Damage, Entry, Failure, Fetched, Found, RemoteConfig,
                                           RemoteStats, Wanted, Written, nodes)
 
 log = logging.getLogger("tiercache.remote")
-BATCH_BYTES = 64 << 20  # bytes of values in flight per call and round: bounds memory
-_REFRESH_SECONDS = 1.0
-_INLINE_BYTES = 64 << 10  # values up to this are copied into the request buffer  # the slot map is read again at most this often
-
-Command = tuple[Any, ...]
+_REFRESH_SECONDS = 1.0  # the slot map is read again at most this often
 
 
 @dataclass(frozen=True)
@@ -46,23 +43,6 @@ class _Routed:
 
     route: bytes  # a key of the entry
     commands: list[Command]
-
-
-def _failure_of(error: BaseException) -> Failure:
-    if isinstance(error, rx.MovedError):  # before AskError: MovedError is one
-        return Failure.MOVED
-    if isinstance(error, rx.AskError):
-        return Failure.ASK
-    if isinstance(error, rx.OutOfMemoryError):
-        return Failure.OOM
-    if isinstance(error, (rx.ClusterDownError, rx.TryAgainError, rx.MasterDownError,
-                          rx.SlotNotCoveredError)):
-        return Failure.CLUSTER_DOWN
-    if isinstance(error, rx.TimeoutError):  # before ConnectionError: one of them in redis-py
-        return Failure.TIMEOUT
-    if isinstance(error, (rx.ConnectionError, OSError)):
-        return Failure.CONNECTION
-    return Failure.OTHER
 
 
 class RedisClusterStore:
@@ -116,7 +96,7 @@ class RedisClusterStore:
         start = time.perf_counter()
         deadline = start + (self.config.get_seconds if seconds is None else seconds)
         ok: list[bool] = []
-        for lo, hi in _batches([w.nbytes for w in wanted]):
+        for lo, hi in batches([w.nbytes for w in wanted]):
             ok += self._get_batch(wanted[lo:hi], targets[lo:hi], deadline)
         nbytes = sum(w.nbytes for w, good in zip(wanted, ok) if good)
         self._stats.add("gets", len(wanted))
@@ -129,7 +109,7 @@ class RedisClusterStore:
         start = time.perf_counter()
         deadline = start + (self.config.put_seconds if seconds is None else seconds)
         total = Written(0, 0, 0, 0, ())
-        for lo, hi in _batches([e.payload.nbytes for e in entries]):
+        for lo, hi in batches([e.payload.nbytes for e in entries]):
             total += self._put_batch(entries[lo:hi], deadline)
         self._stats.add("puts", len(entries))
         self._stats.add("put_stored", total.stored)
@@ -233,7 +213,7 @@ class RedisClusterStore:
             try:
                 node = cluster.get_node_from_key(item.route)
             except rx.RedisError as error:  # a slot no node serves
-                results[i] = _failure_of(error)
+                results[i] = failure_of(error)
                 continue
             by_node.setdefault(node.name, (node, []))[1].append(i)
         futures = {}
@@ -266,9 +246,9 @@ class RedisClusterStore:
             mine = replies[at:at + len(routed[i].commands)]
             at += len(mine)
             errors = [r for r in mine if isinstance(r, BaseException)]
-            results[i] = mine if not errors else _failure_of(errors[0])
+            results[i] = mine if not errors else failure_of(errors[0])
             for error in errors:
-                failures.setdefault(_failure_of(error), error)
+                failures.setdefault(failure_of(error), error)
         for failure, error in failures.items():
             self._failed(node, failure, str(error)[:200])
         if not failures:
@@ -288,9 +268,9 @@ class RedisClusterStore:
         try:
             connection = pool.get_connection()
         except Exception as error:  # noqa: BLE001 - any failure is a miss, counted
-            return _failure_of(error)
+            return failure_of(error)
         try:
-            connection.send_packed_command(_pack(commands), check_health=False)
+            connection.send_packed_command(pack(commands), check_health=False)
             replies: list[Any] = []
             for _ in commands:
                 try:
@@ -300,7 +280,7 @@ class RedisClusterStore:
             return replies
         except Exception as error:  # noqa: BLE001 - replies may be left unread: drop it
             connection.disconnect()
-            failure = _failure_of(error)
+            failure = failure_of(error)
             if failure is Failure.OTHER:
                 log.debug("remote tier: a pipeline to %s failed", node.name, exc_info=True)
             return failure
@@ -365,37 +345,3 @@ def _verify(wanted: Wanted, keys: fmt.Keys, target: memoryview, reply: list[Any]
     for part, (a, b) in zip(parts, spans):
         out[a:b] = np.frombuffer(part, np.uint8)
     return None
-
-
-def _pack(commands: Sequence[Command]) -> list[bytes | memoryview]:
-    """Commands in RESP, as few buffers as possible; large values are sent as they are
-    (views of the caller's memory), never copied into the request."""
-    out: list[bytes | memoryview] = []
-    small = bytearray()
-    for command in commands:
-        small += b"*%d\r\n" % len(command)
-        for arg in command:
-            data = arg.encode() if isinstance(arg, str) else arg
-            size = data.nbytes if isinstance(data, memoryview) else len(data)
-            small += b"$%d\r\n" % size
-            if size > _INLINE_BYTES:
-                out += [bytes(small), data]
-                small = bytearray(b"\r\n")
-            else:
-                small += data
-                small += b"\r\n"
-    out.append(bytes(small))
-    return out
-
-
-def _batches(sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """[lo, hi) runs of entries holding about BATCH_BYTES each (at least one entry)."""
-    runs, lo, held = [], 0, 0
-    for i, size in enumerate(sizes):
-        if i > lo and held + size > BATCH_BYTES:
-            runs.append((lo, i))
-            lo, held = i, 0
-        held += size
-    if lo < len(sizes):
-        runs.append((lo, len(sizes)))
-    return runs

@@ -62,7 +62,7 @@ def nodes(url: str) -> list[tuple[str, int]]:
         raise InvalidArgument(f"remote URL {url!r}: the scheme must be one of {SCHEMES}, e.g. "
                               "redis-cluster://10.0.0.5:7000")
     if "@" in parts.netloc:
-        raise InvalidArgument(f"remote URL: write no user or password in it (the daemon logs its "
+        raise InvalidArgument("remote URL: write no user or password in it (the daemon logs its "
                               "settings, and Redis AUTH is not supported yet)")
     found = []
     for address in parts.netloc.split(","):
