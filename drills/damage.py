@@ -1,6 +1,6 @@
 """Damage to a disk tier, and a child process that opens the damaged tier and reads it.
 
-    python -m tests.reliability.damage check DIR PROMPTS
+    python -m drills.damage check DIR PROMPTS
 
 `store` fills a disk tier with PROMPTS prompts of keyed content (keyed.py). The damage
 functions break it the ways disks and people do: bytes flipped or values cut short
@@ -152,7 +152,7 @@ def check(path: str, prompts: int) -> dict:
 
 def check_in_child(path: str, prompts: int, timeout: float = 120) -> dict:
     """`check` in its own process; {"crashed": signal} if it died."""
-    done = subprocess.run([sys.executable, "-m", "tests.reliability.damage", "check", path,
+    done = subprocess.run([sys.executable, "-m", "drills.damage", "check", path,
                            str(prompts)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if done.returncode < 0:
         return {"crashed": -done.returncode, "log": done.stderr[-2000:]}

@@ -13,6 +13,7 @@ import torch
 
 from service.auth import Authenticator
 from service.groups import GroupRegistry, describe_to_proto
+from service.fleet import Fleet
 from service.workers import Registration, WorkerRegistry
 from tiercache.engine import Engine
 from tiercache.errors import DeadlineExceeded, InvalidArgument
@@ -49,8 +50,9 @@ def _waiting(context: grpc.ServicerContext) -> bool:
 
 class TiercacheServicer(pb_grpc.TiercacheServicer):
     def __init__(self, engine: Engine, registry: WorkerRegistry, max_prompt_pages: int,
-                 auth: Authenticator | None = None) -> None:
+                 auth: Authenticator | None = None, fleet: Fleet | None = None) -> None:
         self.engine = engine
+        self.fleet = fleet or Fleet()  # the remote tier and KV events (service/fleet.py)
         self.registry = registry
         self.max_prompt_pages = max_prompt_pages
         self.auth = auth or Authenticator({})
@@ -151,11 +153,13 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
         checks = self._checks(request.checks, keys)
         with self._worker(request.worker_id, context) as worker:
-            result = self.engine.store(worker.buffers, worker.engine_keys(keys),
+            keys = worker.engine_keys(keys)
+            shared = self.fleet.before_store(worker, keys, request.event_tokens)
+            result = self.engine.store(worker.buffers, keys,
                                        np.asarray(request.kv_rows, np.int64), checkpoints,
                                        ready=_event(request.ready_event, worker), checks=checks,
                                        alive=lambda: _waiting(context), durable=request.durable,
-                                       timeout=context.time_remaining())
+                                       timeout=context.time_remaining(), remote=shared)
         return store_to_proto(result)
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:

@@ -26,7 +26,7 @@ that marks the bytes in place (pass `synchronous=True` to wait on the host inste
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 import grpc
@@ -36,7 +36,8 @@ import torch
 from tiercache.buffers import WorkerBuffers
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
 from tiercache.group import Group, GroupMember
-from tiercache.hashing import Chain, Keys, Namespace, PageKey, key_array, page_chain, page_keys
+from tiercache.hashing import (Chain, Keys, Namespace, PageKey, key_array, page_chain, page_keys,
+                               token_array)
 from tiercache.results import LoadResult, Match, StoreResult, Tier, TierStats
 from tiercache.layout import Layout
 from tiercache.regions import SharedRegion, region_locations
@@ -86,6 +87,7 @@ class Request:
 
     keys: bytes
     checks: bytes = b""
+    tokens: bytes = b""  # stores that publish their tokens in KV events only
 
 
 class Backend(Protocol):
@@ -138,19 +140,27 @@ class Worker:
 
     def store(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
               checkpoints: Mapping[int, int] | None = None, durable: bool = False,
-              ready: Any = None) -> StoreResult:
+              ready: Any = None, publish_tokens: bool = False) -> StoreResult:
         """Store the prompt's pages from kv_rows and the checkpoints offered, {token position:
         state slot}, each position a multiple of the page size. With `durable`, return only
         once they are committed to disk (they survive the daemon crashing). GPU workers
         may pass `ready`, an interprocess CUDA event recorded after the rows were written
-        (a store from another thread); by default one is recorded on the current stream."""
+        (a store from another thread); by default one is recorded on the current stream.
+        With `publish_tokens`, the daemon's KV events carry the prompt's tokens (routers
+        such as llm-d's indexer hash tokens themselves; without them, events carry keys)."""
         page = self.layout.page_tokens
         bad = [p for p in (checkpoints or {}) if p <= 0 or p % page]
         if bad:
             raise InvalidArgument(f"checkpoint position {bad[0]} is not a positive multiple of the "
                                   f"page size {page}: states are kept at page boundaries only")
         pages = {p // page: slot for p, slot in (checkpoints or {}).items()}
-        return self._backend.store(self._packed(tokens, keys), list(kv_rows), pages, durable, ready)
+        request = self._packed(tokens, keys)
+        if publish_tokens:
+            if tokens is None:
+                raise InvalidArgument("publish_tokens needs the tokens: store by tokens, not keys")
+            whole = token_array(tokens)[:len(request.keys) // 16 * page]
+            request = replace(request, tokens=whole.tobytes())
+        return self._backend.store(request, list(kv_rows), pages, durable, ready)
 
     def evict(self, tokens: Any = None, *, keys: Keys | Chain | None = None,
               tier: Tier | None = None) -> int:
@@ -220,7 +230,7 @@ class _Remote:
               durable: bool, ready: Any = None) -> StoreResult:
         ready = ready if ready is not None else _ready_event(self._device)
         request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                  kv_rows=rows, durable=durable,
+                                  kv_rows=rows, durable=durable, event_tokens=prompt.tokens,
                                   ready_event=ready.ipc_handle() if ready else b"",
                                   checkpoints=[pb.Checkpoint(pages=n, slot=s)
                                                for n, s in sorted(checkpoints.items())])

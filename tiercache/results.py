@@ -13,6 +13,7 @@ class Tier(enum.IntFlag):
     DEVICE = 1
     HOST = 2
     DISK = 4
+    REMOTE = 8  # the shared remote tier: in match results only, never in the index
 
 
 TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)  # best first

@@ -13,6 +13,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DEVICE: _ClassVar[Tier]
     TIER_HOST: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
 
 class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +26,7 @@ TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier
+TIER_REMOTE: Tier
 STOP_REASON_UNSPECIFIED: StopReason
 END_OF_PROMPT: StopReason
 MISSING_PAGE: StopReason
@@ -218,7 +220,7 @@ class Checkpoint(_message.Message):
     def __init__(self, pages: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event", "checks", "durable")
+    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event", "checks", "durable", "event_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +228,7 @@ class StoreRequest(_message.Message):
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     CHECKS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     kv_rows: _containers.RepeatedScalarFieldContainer[int]
@@ -233,7 +236,8 @@ class StoreRequest(_message.Message):
     ready_event: bytes
     checks: bytes
     durable: bool
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., checks: _Optional[bytes] = ..., durable: _Optional[bool] = ...) -> None: ...
+    event_tokens: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., checks: _Optional[bytes] = ..., durable: _Optional[bool] = ..., event_tokens: _Optional[bytes] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored", "present", "skipped", "checkpoints")
