@@ -198,8 +198,9 @@ def _overrides(values: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 
 # TIERCACHE_* variables that are not settings: the config file's path, fault injection
-# (tiercache.failpoints), and what workers' clients read
-_NOT_SETTINGS = {"TIERCACHE_CONFIG", "TIERCACHE_FAILPOINTS", "TIERCACHE_ADDRESS", "TIERCACHE_TOKEN"}
+# (tiercache.failpoints), the per-step trace (tiercache.trace), and what workers' clients read
+_NOT_SETTINGS = {"TIERCACHE_CONFIG", "TIERCACHE_FAILPOINTS", "TIERCACHE_ADDRESS", "TIERCACHE_TOKEN",
+                 "TIERCACHE_HANDOVER", "TIERCACHE_TRACE"}
 
 
 def load(path: str | None = None, environ: Mapping[str, str] = os.environ,

@@ -15,6 +15,7 @@ from service.auth import Authenticator
 from service.groups import GroupRegistry, describe_to_proto
 from service.fleet import Fleet
 from service.workers import Registration, WorkerRegistry
+from tiercache import trace
 from tiercache.engine import Engine
 from tiercache.errors import DeadlineExceeded, InvalidArgument
 from tiercache.hashing import KEY_BYTES
@@ -134,33 +135,35 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         return pb.MatchResponse(match=match_to_proto(match))
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
-        keys = self._keys(request.keys, context)
-        checks = self._checks(request.checks, keys)
-        with self._worker(request.worker_id, context) as worker:
-            slot = request.slot if request.HasField("slot") else None
-            keys = worker.engine_keys(keys)
-            result = self.engine.load(worker.buffers, keys, np.asarray(request.kv_rows, np.int64), slot,
-                                      ready=_event(request.ready_event, worker),
-                                      # copies into CPU workers are synchronous anyway
-                                      asynchronous=request.asynchronous and
-                                      worker.buffers.device.type == "cuda", checks=checks)
-        return load_to_proto(result)
+        with trace.call("Load"):  # a breakdown, when TIERCACHE_TRACE asks for one
+            keys = self._keys(request.keys, context)
+            checks = self._checks(request.checks, keys)
+            with self._worker(request.worker_id, context) as worker:
+                slot = request.slot if request.HasField("slot") else None
+                keys = worker.engine_keys(keys)
+                result = self.engine.load(worker.buffers, keys, np.asarray(request.kv_rows, np.int64), slot,
+                                          ready=_event(request.ready_event, worker),
+                                          # copies into CPU workers are synchronous anyway
+                                          asynchronous=request.asynchronous and
+                                          worker.buffers.device.type == "cuda", checks=checks)
+            return load_to_proto(result)
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
-        keys = self._keys(request.keys, context)
-        checkpoints = {c.pages: c.slot for c in request.checkpoints}
-        if len(checkpoints) != len(request.checkpoints):
-            raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
-        checks = self._checks(request.checks, keys)
-        with self._worker(request.worker_id, context) as worker:
-            keys = worker.engine_keys(keys)
-            shared = self.fleet.before_store(worker, keys, request.event_tokens)
-            result = self.engine.store(worker.buffers, keys,
-                                       np.asarray(request.kv_rows, np.int64), checkpoints,
-                                       ready=_event(request.ready_event, worker), checks=checks,
-                                       alive=lambda: _waiting(context), durable=request.durable,
-                                       timeout=context.time_remaining(), remote=shared)
-        return store_to_proto(result)
+        with trace.call("Store"):  # a breakdown, when TIERCACHE_TRACE asks for one
+            keys = self._keys(request.keys, context)
+            checkpoints = {c.pages: c.slot for c in request.checkpoints}
+            if len(checkpoints) != len(request.checkpoints):
+                raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
+            checks = self._checks(request.checks, keys)
+            with self._worker(request.worker_id, context) as worker:
+                keys = worker.engine_keys(keys)
+                shared = self.fleet.before_store(worker, keys, request.event_tokens)
+                result = self.engine.store(worker.buffers, keys,
+                                           np.asarray(request.kv_rows, np.int64), checkpoints,
+                                           ready=_event(request.ready_event, worker), checks=checks,
+                                           alive=lambda: _waiting(context), durable=request.durable,
+                                           timeout=context.time_remaining(), remote=shared)
+            return store_to_proto(result)
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
         keys = self._keys(request.keys, context)

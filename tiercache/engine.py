@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from tiercache import trace
 from tiercache.background import Background, Mover
 from tiercache.books import Books
 from tiercache.buffers import WorkerBuffers, row_ids
@@ -218,8 +219,9 @@ class Engine:
         names are committed to disk (within `timeout` seconds); raise if they cannot be.
         `remote`: with a remote tier, write the entries there too, in the background
         (False keeps them local: a tenant or model configured to stay local)."""
-        job = self.stores.job(buffers, keys, rows, checkpoints, self._transfer_for(buffers), ready,
-                              checks, alive, durable)
+        with trace.span("prepare"):
+            job = self.stores.job(buffers, keys, rows, checkpoints, self._transfer_for(buffers), ready,
+                                  checks, alive, durable)
         result = self.stores.store(job, timeout)
         if remote and self.remote is not None:
             if buffers.layout.needs_pages:

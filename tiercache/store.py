@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from tiercache import failpoints
+from tiercache import failpoints, trace
 from tiercache.admission import admit, entry_values
 from tiercache.background import Background, Mover
 from tiercache.books import Books
@@ -138,11 +138,13 @@ class Stores:
         host. Returns the result and which keys are cached now."""
         group.transfer.wait_for(job.ready, "store")
         tier = Tier.DEVICE if group.transfer is self.mover.device_transfer else Tier.HOST
-        claim = self.books.claim(group.kind, keys, group.nbytes, values, stamp, checks, job.pins)
+        with trace.span("claim"):
+            claim = self.books.claim(group.kind, keys, group.nbytes, values, stamp, checks, job.pins)
         todo, stored = claim.todo, 0
         try:
             while stored < len(todo):  # in batches: each one may push the last down a tier
-                slots, displaced = self.books.reserve(group.nbytes, len(todo) - stored, tier)
+                with trace.span("reserve"):
+                    slots, displaced = self.books.reserve(group.nbytes, len(todo) - stored, tier)
                 if displaced:  # room that an eviction must move first
                     self.mover.settle(displaced)
                     if not slots:
@@ -154,13 +156,14 @@ class Stores:
                     break
                 batch = todo[stored:stored + len(slots)]  # shallow pages first
                 self._copy(job, group, src[batch], slots, tier)
-                rows = self.books.publish(group.kind, keys[batch], depths[batch], group.nbytes,
-                                          tier, slots, stamp, values[batch],
-                                          None if checks is None else checks[batch],
-                                          pin=job.pins is not None)
-                if job.pins is not None:
-                    job.pins.append(rows)
-                (self.background.stored_on_device if tier == Tier.DEVICE else self.background.stored)(rows)
+                with trace.span("publish"):
+                    rows = self.books.publish(group.kind, keys[batch], depths[batch], group.nbytes,
+                                              tier, slots, stamp, values[batch],
+                                              None if checks is None else checks[batch],
+                                              pin=job.pins is not None)
+                    if job.pins is not None:
+                        job.pins.append(rows)
+                    (self.background.stored_on_device if tier == Tier.DEVICE else self.background.stored)(rows)
                 stored += len(batch)
         finally:
             self.books.unclaim(group.kind, claim.keys, stored, len(todo) - stored)
@@ -183,9 +186,11 @@ class Stores:
         try:
             failpoints.hit("store.before_gather")
             with self.traffic.timed("worker", tier.name.lower(), len(src) * group.nbytes):
-                group.transfer.gather(group.buffers, group.offsets, src,
-                                      list(arena.pool(group.nbytes).parts(np.asarray(slots, np.int64))))
-                group.transfer.fence("store").synchronize()  # this batch only, not the device
+                with trace.span("copy"):
+                    group.transfer.gather(group.buffers, group.offsets, src,
+                                          list(arena.pool(group.nbytes).parts(np.asarray(slots, np.int64))))
+                with trace.span("fence"):
+                    group.transfer.fence("store").synchronize()  # this batch only, not the device
             failpoints.hit("store.before_publish")
             if job.alive is not None and not job.alive():
                 raise DeadlineExceeded("the call ended while its rows were being copied: "
