@@ -66,7 +66,7 @@ bench-gpu:  ## on a GPU machine: benchmarks.gpu_transfer (BENCHES="..." for othe
 WHEELS := lmdb==3.0.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
   grpcio-reflection==1.85.1 prometheus-client==0.26.0 pyyaml==6.0.3 \
   hypothesis==6.170.15 sortedcontainers==2.4.0 redis==8.1.0 hiredis==3.5.0 pyzmq==27.3.0 \
-  msgpack==1.2.4 msgspec==0.22.0
+  msgpack==1.2.4 msgspec==0.22.0 fla-core==0.6.0 flash-linear-attention==0.6.0
 wheels:  ## what a GPU machine without network needs beside its torch, into .whl (Python 3.12)
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \

@@ -31,7 +31,7 @@ from tiercache.tiers.host import HostConfig
 
 LAYOUT = hybrid_layout(page_rows=64, slot_rows=8)
 PAGES = 4
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def engine_at(path: str) -> Engine:
