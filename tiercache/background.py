@@ -100,9 +100,9 @@ class Mover:
         finally:
             self.books.deleted(entries)
 
-    def settle(self, displaced: Displaced) -> None:
+    def settle(self, displaced: Displaced) -> int:
         """Do what an eviction displaced: delete, write down, copy down; then let the
-        victims go (dropped, as a cache may, if their move failed)."""
+        victims go (books.complete_displaced). Returns how many left their tier."""
         self.delete(displaced.deletes)
         demoted = copied = False
         try:
@@ -112,7 +112,8 @@ class Mover:
                 copied = self._try(lambda: self.copy_down(displaced.down) or True,
                                    "copying evicted device entries down")
         finally:
-            self.books.complete_displaced(displaced, demoted, copied)
+            gone = self.books.complete_displaced(displaced, demoted, copied)
+        return gone
 
     @staticmethod
     def _try(move: Callable[[], bool], what: str) -> bool:

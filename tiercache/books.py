@@ -324,10 +324,10 @@ class Books:
             self.index.add_tier(rows, tier, slots)
 
     # -- eviction -------------------------------------------------------------------------
-    def complete_displaced(self, displaced: Displaced, demoted: bool, copied: bool) -> None:
+    def complete_displaced(self, displaced: Displaced, demoted: bool, copied: bool) -> int:
         """After the displaced work was done (or failed): see Room.complete."""
         with self.lock:
-            self.room.complete(displaced, demoted, copied)
+            return self.room.complete(displaced, demoted, copied)
 
     def deleted(self, entries: list[tuple[Kind, PageKey]]) -> None:
         """LMDB records of evicted entries are gone: their keys may be written again."""

@@ -145,12 +145,11 @@ class Stores:
             while stored < len(todo):  # in batches: each one may push the last down a tier
                 with trace.span("reserve"):
                     slots, displaced = self.books.reserve(group.nbytes, len(todo) - stored, tier)
-                if displaced:  # room that an eviction must move first
-                    self.mover.settle(displaced)
-                    if not slots:
-                        continue
-                if not slots and tier == Tier.DEVICE:  # too small, or pinned by loads: the host
-                    tier = Tier.HOST  # takes the rest
+                # room that an eviction must move first: move it, and ask again while that frees some
+                if displaced and self.mover.settle(displaced) and not slots:
+                    continue
+                if not slots and tier == Tier.DEVICE:  # too small, pinned by loads, or its
+                    tier = Tier.HOST  # victims found no room below: the host takes the rest
                     continue
                 if not slots:
                     break
