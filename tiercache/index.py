@@ -277,12 +277,14 @@ class Index:
         column[rows] = self.tick() if stamp is None else np.maximum(column[rows], stamp)
 
     def pin(self, rows: np.ndarray) -> None:
-        np.add.at(self._cols["pins"], rows, 1)
+        """Pin `rows` (distinct, as the rows of distinct keys are: plain indexing, which
+        is many times faster than np.add.at)."""
+        self._cols["pins"][rows] += 1
 
     def unpin(self, rows: np.ndarray) -> None:
         pins = self._cols["pins"]
         assert np.all(pins[rows] > 0), "unpin of a row that is not pinned"
-        np.subtract.at(pins, rows, 1)
+        pins[rows] -= 1
 
     def candidates(self, tier: Tier, nbytes: int | None = None) -> Candidates:
         """Unpinned rows in `tier` (of one entry size, if given)."""
