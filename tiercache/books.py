@@ -268,9 +268,11 @@ class Books:
             return Claim(todo, claimed, clashes)
 
     def unclaim(self, kind: Kind, claim: Claim, stored: int, skipped: int) -> None:
-        """A store is done with its claim: rows it did not publish leave the index."""
+        """A store is done with its claim, of which it published the first `stored` rows
+        (those may be gone again by now, evicted: not the claim's any more); the rest
+        leave the index."""
         with self.lock:
-            self.index.release(claim.rows)
+            self.index.release(claim.rows[stored:])
             self._claimed -= len(claim.rows)
             if kind == Kind.PAGE:
                 self.counters.stored_pages += stored
