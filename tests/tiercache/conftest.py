@@ -17,7 +17,8 @@ CHECKED = ("store", "store_pages", "store_checkpoint", "load", "match", "prefetc
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "concurrent: calls the engine from several threads at once")
+    config.addinivalue_line("markers", "concurrent: calls the engine from several threads at once, "
+                            "or looks at it while work is in flight")
 
 
 def _checked(method, busy: threading.local):

@@ -47,6 +47,7 @@ def open_engine(tmp_path=None, **writes):
         disk=disk, policy=PolicyConfig(eviction="flop", writes=WriteConfig(**writes))))
 
 
+@pytest.mark.concurrent  # it looks at pins while an asynchronous load is in flight
 def test_a_gpu_store_and_asynchronous_load_round_trip_exactly():
     engine = open_engine()
     source, dest = on_gpu(1), on_gpu(2)
