@@ -72,6 +72,7 @@ class Room:
         self.tuner = tuner
         self.writing_bytes = 0  # disk room promised to batches being written
         self.deleting: dict[bytes, int] = {}  # LMDB records being deleted: db key -> bytes
+        self.writing: set[int] = set()  # host rows a disk batch has taken
         self.copying_down: set[int] = set()  # device rows a copy down has taken
 
     def arena(self, tier: Tier) -> SlotArena:
@@ -151,7 +152,8 @@ class Room:
         assert self.disk is not None
         index = self.index
         rows = np.unique(rows)
-        rows = rows[index.in_tier(rows, Tier.HOST) & ~index.in_tier(rows, Tier.DISK)]
+        rows = rows[index.in_tier(rows, Tier.HOST) & ~index.in_tier(rows, Tier.DISK)
+                    & ~np.isin(rows, list(self.writing))]  # one batch writes a row
         if self.deleting:  # a key whose old record is being deleted waits for that
             waiting = [bytes((k,)) + key in self.deleting for k, key in
                        zip(index.column("kind", rows).tolist(), key_list(index.keys(rows)))]
@@ -167,6 +169,7 @@ class Room:
                        index.column("depth", rows).tolist(), sizes.tolist(),
                        index.slots(rows, Tier.HOST).tolist())]
         index.pin(rows)  # pinned while read, and no candidate for the disk evictions below
+        self.writing.update(rows.tolist())
         deleting = sum(self.deleting.values())
         over = self.disk.used_bytes - deleting + self.writing_bytes + total - self.disk.budget_bytes
         if over > 0:
@@ -177,6 +180,7 @@ class Room:
     def end_write(self, batch: DiskBatch, written: bool) -> int:
         """Publish a written batch in the disk tier (after its commit) and unpin it."""
         self.writing_bytes -= batch.nbytes
+        self.writing.difference_update(batch.rows.tolist())
         self.index.unpin(batch.rows)
         if not written:
             return 0
