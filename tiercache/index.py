@@ -50,6 +50,9 @@ class Match:
     tier_codes: bytes  # best tier of each matched page, one Tier value a byte (none without paged buffers)
     checkpoint_tier: Tier | None  # best tier of the checkpoint at the last page, if one is needed
     stop: StopReason
+    # Leading pages whose KV pages are cached, checkpoint or not (>= pages; as many as
+    # `pages` without paged buffers): a checkpoint there would extend the hit to them.
+    kv_pages: int = 0
 
     @property
     def page_tiers(self) -> tuple[Tier, ...]:
@@ -194,7 +197,7 @@ class Index:
             tier_codes=best_tiers(tiers[rows]).tobytes(),
             checkpoint_tier=None if checkpoint_row is None else Tier(
                 int(best_tiers(tiers[[checkpoint_row]])[0])),
-            stop=stop)
+            stop=stop, kv_pages=walked if page_bytes else pages)
         return Hit(match, rows, checkpoint_row)
 
     def _deepest_checkpoint(self, keys: np.ndarray, nbytes: int, checks: np.ndarray | None

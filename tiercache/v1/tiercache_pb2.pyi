@@ -134,20 +134,22 @@ class MatchRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., checks: _Optional[bytes] = ...) -> None: ...
 
 class MatchResult(_message.Message):
-    __slots__ = ("pages", "tokens", "prompt_pages", "page_tiers", "checkpoint_tier", "stop")
+    __slots__ = ("pages", "tokens", "prompt_pages", "page_tiers", "checkpoint_tier", "stop", "kv_pages")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_TIERS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_TIER_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     pages: int
     tokens: int
     prompt_pages: int
     page_tiers: bytes
     checkpoint_tier: Tier
     stop: StopReason
-    def __init__(self, pages: _Optional[int] = ..., tokens: _Optional[int] = ..., prompt_pages: _Optional[int] = ..., page_tiers: _Optional[bytes] = ..., checkpoint_tier: _Optional[_Union[Tier, str]] = ..., stop: _Optional[_Union[StopReason, str]] = ...) -> None: ...
+    kv_pages: int
+    def __init__(self, pages: _Optional[int] = ..., tokens: _Optional[int] = ..., prompt_pages: _Optional[int] = ..., page_tiers: _Optional[bytes] = ..., checkpoint_tier: _Optional[_Union[Tier, str]] = ..., stop: _Optional[_Union[StopReason, str]] = ..., kv_pages: _Optional[int] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("match",)
