@@ -268,6 +268,7 @@ def test_last_only_keeps_the_last_logits_and_prompts_under_a_page_miss(model):
     run = adapter.prefill(model, prompt, last_only=True)
     assert run.logits.shape == (1, 1, VOCAB) and run.computed_tokens == 21
     torch.testing.assert_close(run.logits, full_prefill(model, prompt)[:, -1:], atol=1e-4, rtol=0)
+    adapter.flush()
     # Under one full page there is no key to ask for: a miss without a call.
     short = adapter.prefill(model, tokens(5, seed=15))
     assert (short.loaded_tokens, short.chunks, short.store) == (0, (5,), None)
