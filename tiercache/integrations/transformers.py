@@ -40,6 +40,7 @@ thread; `close` waits for its stores and ends the registration.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -52,14 +53,15 @@ from tiercache.engine import Engine, LoadResult, StoreResult
 from tiercache.errors import InvalidArgument
 from tiercache.hashing import Keys, PageKey
 from tiercache.index import Match, StopReason
+from tiercache.integrations import placement
 from tiercache.integrations.capture import Capture, CaptureFailed
 from tiercache.integrations.hf_cache import (
-    Cache, CacheSpec, DynamicCache, Staging, UnsupportedCache)
+    Cache, CacheSpec, DynamicCache, Staging, UnsupportedCache, device_buffers)
 from tiercache.integrations.stores import StoreQueue
 from tiercache.layout import Layout
 
 __all__ = ["AdapterConfig", "CacheSpec", "Connection", "HybridCacheAdapter", "Prefill",
-           "Restored", "UnsupportedCache"]
+           "Restored", "UnsupportedCache", "device_buffers"]
 
 log = logging.getLogger("tiercache.integrations")
 
@@ -184,6 +186,9 @@ class HybridCacheAdapter:
                            tuple(range(n * (1 + checkpoints) + 1, (n + 1) * (1 + checkpoints))))
                       for n in range(2)]
         self._turn = 0
+        # (step, seconds) of each step of the last prefill, once set to a list (benchmarks'
+        # per-step breakdown): every mark waits for the GPU, so leave it None otherwise.
+        self.profile: list[tuple[str, float]] | None = None
         self._captures: dict[int, tuple[torch.nn.Module, Capture | None]] = {}
 
     @classmethod
@@ -268,11 +273,19 @@ class HybridCacheAdapter:
         rows = buffers.rows[:len(keys)] if self.layout.needs_pages else range(0)
         slot = buffers.load_slot if self.layout.needs_checkpoint else None
         result = self.worker.load(keys=keys, kv_rows=rows, slot=slot)
+        self._mark("load (one call)")
         cache = self.new_cache()
         if result.match.pages:
             self.staging.fill(cache, result.match.pages, buffers.load_slot, self.device,
                               buffers.base)
+        self._mark("rebuild the cache")
         return Restored(cache, result.match.tokens, result)
+
+    def _mark(self, step: str) -> None:
+        if self.profile is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.profile.append((step, time.perf_counter()))
 
     def store(self, tokens: Any, cache: Cache) -> StoreResult | None:
         """Store the KV pages of a cache that has seen exactly `tokens` and, if their count
@@ -311,18 +324,25 @@ class HybridCacheAdapter:
                 f"input_ids must have shape [1, tokens], got {tuple(input_ids.shape)}")
         length, page = input_ids.shape[1], self.config.page_tokens
         keys = self.keys(input_ids[0])
+        if self.profile is not None:
+            self.profile.clear()
+        self._mark("start")
         buffers = self._next_set()
+        self._mark("wait for a set of rows")
         # At least one token is left to compute: its logits pick the next token.
         restored = self._restore(keys[:(length - 1) // page], buffers)
         loaded = restored.load.match.pages
         wanted = self.plan(restored.tokens, restored.load.match.kv_pages, length, len(keys))
         slots = dict(zip(wanted, buffers.store_slots))
         passes = self._compute(model, input_ids, restored, slots, last_only)
+        self._mark("forward pass(es), states kept")
         self.staging.pages_from(restored.cache, loaded, len(keys), buffers.base)
+        self._mark("copy new pages to staging")
         store = None
         if len(keys) > loaded or slots:
             store = self.stores.submit(self._store_call(keys, buffers.base, slots),
                                        buffers.rows, slots.values())
+        self._mark("hand the store over")
         logits = passes[-1][1] if last_only else torch.cat([lg for _, lg in passes], dim=1)
         return Prefill(restored.cache, logits, restored.tokens, tuple(n for n, _ in passes),
                        restored.load, tuple(wanted), store)
@@ -381,38 +401,11 @@ class HybridCacheAdapter:
         return capture
 
     def plan(self, done: int, branch: int, length: int, pages: int) -> list[int]:
-        """The page counts after `done` tokens whose state a prefill of `length` tokens
-        (`pages` full pages) keeps: the ends, the branch point (`branch` pages of another
-        prompt's KV are cached), every `checkpoint_every` pages; at most max_checkpoints, in
-        that order of preference, sorted. None without linear-attention state."""
+        """The page counts whose state a prefill keeps (`placement.plan`); none without
+        linear-attention state."""
         if not self.layout.needs_checkpoint:
             return []
-        config, page = self.config, self.config.page_tokens
-        ends = [pages, (length - 1) // page] if config.checkpoint_ends else []
-        if pages * page == length:
-            ends.append(pages)  # ends on a boundary: its state is in the cache anyway
-        branches = [branch] if config.checkpoint_branches else []
-        every = list(range(config.checkpoint_every, pages, config.checkpoint_every)
-                     )[::-1] if config.checkpoint_every else []
-        wanted: list[int] = []
-        for count in [*ends, *branches, *every]:
-            if count and done < count * page <= length and count not in wanted:
-                wanted.append(count)
-        return sorted(wanted[:config.max_checkpoints])
-
-
-def device_buffers(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every buffer of `layout` carved out of one allocation on `device`: a CUDA IPC handle
-    exposes the whole allocation it names, so the daemon sees these rows and nothing else."""
-    align = 512  # keeps every view aligned for any dtype and for vectorised copies
-    specs = (*layout.paged, *layout.slots)
-    offsets, total = [], 0
-    for spec in specs:
-        offsets.append(total)
-        total += -(-spec.rows * spec.row_bytes // align) * align
-    block = torch.zeros(total, dtype=torch.uint8, device=device)
-    return {spec.name: block[at:at + spec.rows * spec.row_bytes].view(getattr(torch, spec.dtype))
-            .view(spec.shape) for spec, at in zip(specs, offsets)}
+        return placement.plan(self.config, done, branch, length, pages)
 
 
 def _flat(tokens: Any) -> Any:
