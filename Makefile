@@ -39,12 +39,12 @@ proto-check: env  ## fail if tiercache/v1 is stale
 test-gpu:  ## on a GPU machine: GPU tests, then the whole suite (no network needed, see wheels)
 	bash scripts/test-gpu.sh
 
-bench-gpu:  ## on a GPU machine: benchmarks.gpu_transfer (BENCHES="..." for others, BENCH_ARGS="..." to them)
+bench-gpu:  ## on a GPU machine: benchmarks.gpu_transfer (BENCHES="..." for others, BENCH_ARGS="..." to them; tables also to $$OUT)
 	bash scripts/bench-gpu.sh
 
 WHEELS := lmdb==3.0.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
   grpcio-reflection==1.85.1 prometheus-client==0.26.0 pyyaml==6.0.3 \
-  hypothesis==6.170.15 sortedcontainers==2.4.0
+  hypothesis==6.170.15 sortedcontainers==2.4.0 fla-core==0.6.0 flash-linear-attention==0.6.0
 wheels:  ## what a GPU machine without network needs beside its torch, into .whl (Python 3.12)
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \

@@ -13,6 +13,7 @@ prefix: a hit or store makes its shallowest page the most recent entry.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any, Mapping, Sequence
 
@@ -44,12 +45,14 @@ class DevicePrefixCache:
         self.entries: OrderedDict[tuple[str, PageKey], int] = OrderedDict()  # oldest first
         self.used = 0
         self.evicted = 0
+        self._lock = threading.Lock()  # the adapter stores from a thread of its own
 
     def keys(self, tokens: Any) -> list[PageKey]:
         return page_keys(tokens, self.root, self.layout.page_tokens)
 
     def match(self, tokens: Any = None, *, keys: Keys | None = None) -> Match:
-        return self._match(_listed(keys))
+        with self._lock:
+            return self._match(_listed(keys))
 
     def _match(self, keys: list[PageKey]) -> Match:
         walked = 0
@@ -61,11 +64,14 @@ class DevicePrefixCache:
         stop = (StopReason.END_OF_PROMPT if pages == len(keys) else
                 StopReason.MISSING_PAGE if pages == walked else StopReason.NO_CHECKPOINT)
         return Match(pages, pages * self.layout.page_tokens, len(keys),
-                     bytes([Tier.DEVICE]) * pages, Tier.DEVICE if pages else None, stop)
+                     bytes([Tier.DEVICE]) * pages, Tier.DEVICE if pages else None, stop, walked)
 
     def load(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
              slot: int | None = None) -> LoadResult:
-        keys = _listed(keys)[:len(kv_rows)]
+        with self._lock:
+            return self._load(_listed(keys)[:len(kv_rows)], kv_rows, slot)
+
+    def _load(self, keys: list[PageKey], kv_rows: Sequence[int], slot: int | None) -> LoadResult:
         match = self._match(keys)
         if not match.pages:
             return LoadResult(match, {}, 0)
@@ -79,7 +85,12 @@ class DevicePrefixCache:
 
     def store(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
               checkpoints: Mapping[int, int] | None = None) -> StoreResult:
-        keys, page = _listed(keys), self.layout.page_tokens
+        with self._lock:
+            return self._store(_listed(keys), kv_rows, checkpoints)
+
+    def _store(self, keys: list[PageKey], kv_rows: Sequence[int],
+               checkpoints: Mapping[int, int] | None) -> StoreResult:
+        page = self.layout.page_tokens
         states = {keys[n // page - 1]: slot for n, slot in (checkpoints or {}).items()}
         new_pages = [i for i, k in enumerate(keys) if (PAGE, k) not in self.entries]
         new_states = [k for k in states if (STATE, k) not in self.entries]
