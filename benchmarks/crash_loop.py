@@ -38,7 +38,7 @@ from tiercache.client import Client
 from tiercache.errors import TiercacheError
 from tiercache.hashing import Namespace, key_array, page_keys
 from tiercache import tenancy
-from tiercache.tiers.disk import verify_entry
+from tiercache.tiers.lmdb_format import DATA_DB, META_DB, verify_entry
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL_POINTS = {"store.before_gather": 0.05, "store.before_publish": 0.05,
@@ -139,7 +139,7 @@ def check_offline(data_dir: Path, history: History, rng: np.random.Generator) ->
     deep = history.recent | set(rng.permutation(older)[:DEEP_SAMPLE].tolist())
     env = lmdb.open(str(data_dir / "lmdb"), readonly=True, lock=False, max_dbs=2)
     try:
-        meta, data = env.open_db(b"meta", create=False), env.open_db(b"data", create=False)
+        meta, data = env.open_db(META_DB, create=False), env.open_db(DATA_DB, create=False)
         with env.begin(buffers=True) as txn:
             for dkey in txn.cursor(db=meta).iternext(keys=True, values=False):
                 history.counts["entries_on_disk"] += 1

@@ -20,10 +20,9 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from tiercache.hashing import Keys, Namespace, PageKey, key_array, page_keys
-from tiercache.index import Match, StopReason, Tier
 from tiercache.integrations.transformers import device_buffers
 from tiercache.layout import Layout
-from tiercache.results import LoadResult, StoreResult
+from tiercache.results import LoadResult, Match, StopReason, StoreResult, Tier
 
 PAGE, STATE = "page", "state"
 

@@ -57,6 +57,7 @@ from tiercache import invariants
 from tiercache.engine import Engine, EngineConfig
 from tiercache.hashing import page_chain
 from tiercache.layout import BufferSpec, Layout
+from tiercache import shm
 from tiercache.shm import SharedBuffers
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
@@ -148,7 +149,6 @@ class World:
     workers: dict[tuple[str, str], Worker]  # by namespace: (tenant, layout name)
     handlers: dict = field(default_factory=dict)
     offered: dict = field(default_factory=lambda: collections.defaultdict(set))
-    spare: list = field(default_factory=list)  # shared memory of fuzzed registrations
 
     def owner(self, worker_id: str) -> Worker | None:
         return next((w for w in self.workers.values() if w.id == worker_id), None)
@@ -166,10 +166,10 @@ def guarded(servicer: TiercacheServicer, method: str, streaming: bool):
     return wrapped.unary_stream if streaming else wrapped.unary_unary
 
 
-def locations(shared: SharedBuffers, ticket: bytes) -> list[pb.BufferLocation]:
+def locations(placements: list[shm.Placement], ticket: bytes) -> list[pb.BufferLocation]:
     return [pb.BufferLocation(name=p.spec.name, nbytes=p.nbytes,
                               shm=pb.SharedMemoryBuffer(ticket=ticket, offset=p.offset))
-            for p in shared.placements]
+            for p in placements]
 
 
 def build_world(folder: Path) -> World:
@@ -190,7 +190,8 @@ def build_world(folder: Path) -> World:
         shared = SharedBuffers.create(layout)
         reply = next(servicer.Register(pb.RegisterRequest(
             model_id=prompts.MODEL, layout=layout_to_proto(layout),
-            buffers=locations(shared, shared.hand_over(handover.path))), token_context(tenant)))
+            buffers=locations(shared.placements, shared.hand_over(handover.path))),
+            token_context(tenant)))
         chains = [page_chain(prompts.tokens(p), reply.namespace_root, prompts.PAGE)
                   for p in range(PROMPTS)]
         world.workers[tenant, name] = Worker(tenant, layout, reply.worker_id, shared,
@@ -280,8 +281,7 @@ def fuzzed_call(world: World, method: str, request, context: Context) -> tuple[o
     """The call, with the isolation oracle around it: (reply or code, foreign bytes)."""
     worker = world.owner(getattr(request, "worker_id", ""))
     if method == "Register" and request.buffers and request.buffers[0].shm.ticket == FRESH:
-        world.spare.append(SharedBuffers.create(prompts.LAYOUT))
-        ticket = world.spare[-1].hand_over(world.handover.path)
+        ticket = SharedBuffers.create(prompts.LAYOUT).hand_over(world.handover.path)
         for location in request.buffers:
             if location.HasField("shm"):
                 location.shm.ticket = ticket
@@ -350,15 +350,15 @@ def layouts():
 
 
 def buffer_locations():
-    placements = SharedBuffers.create(prompts.LAYOUT)  # only its placements are used
+    placements = shm.plan(prompts.LAYOUT)[0]
     tickets = st.sampled_from([FRESH, FRESH, b"\0" * 16, b"", b"x" * 40])
     usual = tickets.map(lambda t: locations(placements, t))
-    shm = st.builds(pb.SharedMemoryBuffer, ticket=tickets, offset=u64())
+    memory = st.builds(pb.SharedMemoryBuffer, ticket=tickets, offset=u64())
     cuda = st.builds(pb.CudaIpcBuffer, handle=st.binary(max_size=80), offset=u64(),
                      device_uuid=st.text(max_size=40))
     location = st.one_of(
         st.builds(pb.BufferLocation, name=st.sampled_from(["kv0", "kv1", "ssm", "x"]),
-                  nbytes=u64(), shm=shm),
+                  nbytes=u64(), shm=memory),
         st.builds(pb.BufferLocation, name=st.sampled_from(["kv0", "kv1", "ssm"]), nbytes=u64(),
                   cuda=cuda))
     return mostly(usual, st.lists(location, max_size=4), 0.5)

@@ -27,7 +27,7 @@ import torch
 from benchmarks.common import median_seconds, print_summary, print_table
 from service.process import spawn
 from tiercache.client import Client
-from tiercache.index import Tier
+from tiercache.results import Tier
 from tiercache.layout import BufferSpec, Layout
 
 MiB = 1 << 20

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from benchmarks.hybrid_model import clock
-from tiercache.index import Tier
+from tiercache.results import Tier
 from tiercache.integrations.transformers import (
     CacheSpec, DynamicCache, HybridCacheAdapter, Restored)
 

@@ -17,7 +17,8 @@ import numpy as np
 from benchmarks.common import median_seconds, print_summary, print_table
 from tiercache.engine import Engine, EngineConfig
 from tiercache.hashing import Namespace, key_array, page_keys
-from tiercache.index import Index, Kind, Tier
+from tiercache.index import Index
+from tiercache.results import Kind, Tier
 from tiercache.layout import BufferSpec, Layout
 from tiercache.tiers.host import HostConfig, host_arena
 

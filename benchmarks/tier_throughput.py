@@ -21,7 +21,7 @@ from benchmarks.common import median_seconds, print_summary, print_table
 from tiercache.buffers import WorkerBuffers
 from tiercache.engine import Engine, EngineConfig
 from tiercache.hashing import Namespace, page_keys
-from tiercache.index import Tier
+from tiercache.results import Tier
 from tiercache.layout import BufferSpec, Layout
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig

@@ -26,8 +26,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
-import stat
 from dataclasses import dataclass
 from typing import Any, Mapping
 

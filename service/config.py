@@ -16,7 +16,7 @@ from service import tls
 from tiercache.engine import EngineConfig
 from tiercache.hashing import HASHES
 from tiercache.errors import InvalidArgument
-from tiercache.policy import make_policy
+from tiercache.policy import AdmissionConfig, PolicyConfig, WriteConfig
 from tiercache.tiers.device import DeviceConfig
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
@@ -45,7 +45,12 @@ class ServiceConfig:
     disk_map_size: int = 16 << 30  # LMDB map size: fixed for the life of the environment
     disk: bool = True  # keep a disk tier under <data_dir>/lmdb
     disk_sync: bool = True  # fsync every LMDB commit
-    policy: str = "lru"
+    policy: str = "lru"  # eviction: lru, or flop (FLOP-aware)
+    policy_alpha: float = 2.0  # flop: weight of FLOPs saved per byte against recency
+    policy_tune_alpha: bool = False  # flop: adjust alpha by what evictions turned out to cost
+    policy_writes: str = "back"  # host -> disk: ahead of eviction (back), or after each store (through)
+    policy_admission: str = "policy"  # checkpoints kept: the end and branch points (policy), or all
+    policy_checkpoint_interval: int = 0  # under "policy", also every this many pages
     max_message_bytes: int = 16 << 20
     max_concurrent_rpcs: int = 64  # cache calls in flight (health checks have their own room)
     max_calls_per_tenant: int = 32  # of those, one tenant's
@@ -80,8 +85,11 @@ class ServiceConfig:
         disk = DiskConfig(os.path.join(self.data_dir, "lmdb"), self.disk_map_size,
                           sync=self.disk_sync) if self.disk else None
         device = DeviceConfig(budget_bytes=self.device_budget) if self.device_budget else None
+        policy = PolicyConfig(self.policy, self.policy_alpha, self.policy_tune_alpha,
+                              AdmissionConfig(self.policy_admission, self.policy_checkpoint_interval),
+                              WriteConfig(host=self.policy_writes))
         return EngineConfig(host=HostConfig(budget_bytes=self.host_budget), disk=disk,
-                            device=device, policy=self.policy)
+                            device=device, policy=policy)
 
     def check(self) -> "ServiceConfig":
         for f in fields(self):
@@ -94,8 +102,7 @@ class ServiceConfig:
                 raise InvalidArgument(f"{f.name} must be 0 or more, got {value}")
             if f.name.endswith("_seconds") and value > _MAX_SECONDS:
                 raise InvalidArgument(f"{f.name} = {value} is over a day: give at most {_MAX_SECONDS}")
-        self.engine()  # the engine's own checks
-        make_policy(self.policy)
+        self.engine()  # the engine's own checks (the policy's too)
         if self.hash and self.hash not in HASHES:
             raise InvalidArgument(f"hash {self.hash!r} is unknown: use one of {sorted(HASHES)}")
         tls.check(self.tcp, self.tls_cert, self.tls_key, self.tls_client_ca, self.tcp_insecure)

@@ -19,7 +19,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from tiercache.engine import Engine
-from tiercache.index import Tier
+from tiercache.results import Tier
 from tiercache.metrics import BUCKETS, HopStats
 
 PREFIX = "tiercache_"
@@ -80,6 +80,8 @@ METRICS = {m.name: m for m in (
     Metric("demotions", "counter", "Host entries written to disk by their own eviction (the "
            "background writer had not reached them)."),
     Metric("disk_writes", "counter", "Host entries the background writer copied to disk."),
+    Metric("copies_down", "counter", "Device entries copied down to the host tier (behind "
+           "their store, or when evicted from the device)."),
     Metric("promotions", "counter", "Disk entries copied up into the host tier."),
     Metric("prefetches", "counter", "Disk entries a Match asked to promote ahead of its Load."),
     Metric("promotion_waits", "counter", "Loads that waited for a promotion in flight."),
@@ -104,11 +106,14 @@ METRICS = {m.name: m for m in (
 # Plain engine counters (and the disk_moved_aside flag), one metric each.
 _PLAIN = {"matches": "matches", "match_requested_pages": "requested_pages", "loads": "loads",
           "loaded_pages": "loaded_pages", "demotions": "demoted", "disk_writes": "disk_writes",
+          "copies_down": "copied_down",
           "promotions": "promoted", "prefetches": "prefetches",
           "promotion_waits": "promotion_waits", "eviction_regrets": "regrets",
           "checksum_failures": "checksum_failures", "collisions": "collisions",
           "foreign_entries": "foreign_entries", "disk_write_errors": "disk_write_errors",
           "disk_moved_aside": "disk_moved_aside"}
+# The counters match_hit_ratio divides.
+_HIT_RATIO = ("matched_pages", "requested_pages")
 # Labelled engine counters: metric -> {label values: counter}.
 _LABELLED = {
     "matched_pages": {(t,): f"matched_pages_{t}" for t in TIERS},
@@ -158,8 +163,8 @@ class EngineCollector:
             for labels, key in keys.items():  # device series read zero until a device tier
                 family.add_metric(list(labels), counters.get(key, 0))
             yield family
-        asked = counters.get("requested_pages", 0)
-        yield self._value("match_hit_ratio", counters.get("matched_pages", 0) / asked if asked else 0.0)
+        matched, asked = (counters.get(name, 0) for name in _HIT_RATIO)
+        yield self._value("match_hit_ratio", matched / asked if asked else 0.0)
         yield from self._tiers(stats.tiers)
         yield from self._traffic()
         if stats.alpha is not None:

@@ -9,7 +9,7 @@ import time
 
 from tiercache.client import CacheStats, Client
 from tiercache.errors import TiercacheError
-from tiercache.index import Tier
+from tiercache.results import Tier
 from tiercache.metrics import HOPS
 
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen

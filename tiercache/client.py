@@ -25,23 +25,25 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 import grpc
 import numpy as np
 import torch
 
 from tiercache.buffers import WorkerBuffers
-from tiercache.engine import Engine, EngineConfig, LoadResult, StoreResult, TierStats
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
 from tiercache.hashing import Keys, Namespace, PageKey, key_array, page_chain, page_keys
-from tiercache.index import Match, Tier
+from tiercache.results import LoadResult, Match, StoreResult, Tier, TierStats
 from tiercache.layout import Layout
 from tiercache.shm import SharedBuffers
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 from tiercache.wire import (error_of, layout_to_proto, load_from_proto, match_from_proto,
                             store_from_proto, tier_stats_from_proto)
+
+if TYPE_CHECKING:  # the engine (LMDB, the movers) loads only for the embedded client
+    from tiercache.engine import Engine, EngineConfig
 
 DEFAULT_ADDRESS = "unix:./tiercache-data/tiercache.sock"
 T = TypeVar("T")
@@ -349,6 +351,7 @@ class EmbeddedClient:
     """The same API with the engine in this process: no daemon, no shared memory."""
 
     def __init__(self, engine: Engine | EngineConfig | None = None) -> None:
+        from tiercache.engine import Engine, EngineConfig
         self.engine = engine if isinstance(engine, Engine) else Engine.open(engine or EngineConfig())
 
     def register(self, model_id: str, layout: Layout, extra_keys: Sequence[str] = (),

@@ -10,53 +10,13 @@ engine serialises calls under its lock.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from tiercache.keymap import KeyMap
-
-
-class Tier(enum.IntFlag):
-    DEVICE = 1
-    HOST = 2
-    DISK = 4
-
-
-TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)  # best first
-ARENA_TIERS = (Tier.DEVICE, Tier.HOST)  # tiers that address entries by slot
-
-
-class Kind(enum.IntEnum):
-    PAGE = 0
-    CHECKPOINT = 1
-
-
-class StopReason(enum.Enum):
-    END_OF_PROMPT = "end_of_prompt"  # every full page of the prompt hit
-    MISSING_PAGE = "missing_page"  # the next KV page is in no tier
-    NO_CHECKPOINT = "no_checkpoint"  # KV pages go on, but no checkpoint further on
-
-
-@dataclass(frozen=True)
-class Match:
-    """The longest hybrid match of a prompt."""
-
-    pages: int  # matched pages
-    tokens: int  # matched tokens = pages * page_tokens
-    prompt_pages: int  # full pages in the prompt
-    tier_codes: bytes  # best tier of each matched page, one Tier value a byte (none without paged buffers)
-    checkpoint_tier: Tier | None  # best tier of the checkpoint at the last page, if one is needed
-    stop: StopReason
-    # Leading pages whose KV pages are cached, checkpoint or not (>= pages; as many as
-    # `pages` without paged buffers): a checkpoint there would extend the hit to them.
-    kv_pages: int = 0
-
-    @property
-    def page_tiers(self) -> tuple[Tier, ...]:
-        return tuple(Tier(code) for code in self.tier_codes)
+from tiercache.results import ARENA_TIERS, TIERS, Kind, Match, StopReason, Tier
 
 
 @dataclass(frozen=True)

@@ -21,26 +21,27 @@ from __future__ import annotations
 import numpy as np
 
 from tiercache.engine import Engine
-from tiercache.index import ARENA_TIERS, TIERS, Index, Kind, Tier
+from tiercache.index import Index
+from tiercache.results import ARENA_TIERS, TIERS, Kind, Tier
 from tiercache.tiers.arena import SlotArena
 
 
 def violations(engine: Engine) -> list[str]:
-    if engine.moving.background.running:
-        engine.moving.drain()
-    with engine._lock:
-        engine.moving.reap()
-        index, found = engine.index, []
+    engine.background.drain()
+    engine.loads.reap()
+    books = engine.books
+    with books.lock:  # the checker reads the books whole, as no path may
+        index, found = books.index, []
         found += _keys(index)
         found += _tiers(index)
         for tier in ARENA_TIERS:
-            arena = engine.tiers.device if tier == Tier.DEVICE else engine.host
+            arena = books.device if tier == Tier.DEVICE else books.host
             if arena is not None:
                 found += _slots(index, tier, arena)
-        if engine.disk is not None:
+        if books.disk is not None:
             disk_bytes = index.bytes[Tier.DISK]
-            if engine.disk.used_bytes != disk_bytes:
-                found.append(f"the disk tier counts {engine.disk.used_bytes} bytes, its entries "
+            if books.disk.used_bytes != disk_bytes:
+                found.append(f"the disk tier counts {books.disk.used_bytes} bytes, its entries "
                              f"hold {disk_bytes}")
         live = _live(index)
         pinned = live[index.column("pins", live) > 0]

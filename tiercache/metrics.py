@@ -1,6 +1,6 @@
 """What the engine counts about the bytes it moves, for whoever watches it (the daemon's
 Prometheus endpoint, `tiercache stats`): bytes and copy times per hop between the
-worker's buffers and the tiers, and what matches found in each tier.
+worker's buffers and the tiers (what matches found is in counters.py).
 
 Plain Python, no exporter: the daemon reads `Traffic.snapshot()` and the engine's
 counters when it is scraped, so every number has one owner.
@@ -13,11 +13,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, MutableMapping
-
-import numpy as np
-
-from tiercache.index import Match, Tier
+from typing import Iterator
 
 # Where bytes can be: the worker's own buffers and the three tiers, nearest first.
 PLACES = ("worker", "device", "host", "disk")
@@ -76,33 +72,3 @@ class Traffic:
 def byte_counters(traffic: dict[tuple[str, str], HopStats]) -> dict[str, int]:
     """The hops as flat counters ("bytes_host_to_disk"), for the Stats RPC."""
     return {f"bytes_{a}_to_{b}": stats.bytes for (a, b), stats in traffic.items()}
-
-
-# per tier: (its code, and its matched pages, tokens and checkpoints counters)
-_NAMES = tuple((int(t), f"matched_pages_{t.name.lower()}", f"matched_tokens_{t.name.lower()}",
-                f"matched_checkpoints_{t.name.lower()}") for t in Tier)
-_TIER_INDEX = {code: i for i, (code, *_) in enumerate(_NAMES)}
-_CODES = max(_TIER_INDEX) + 1
-
-
-def count_match(counters: MutableMapping[str, int], match: Match, page_tokens: int) -> None:
-    """Add a match to the counters: pages asked for, and matched pages, tokens and
-    checkpoints by the tier they were found in (a page's best tier). A layout without
-    paged buffers credits its tokens to the checkpoint's tier."""
-    counters["requested_pages"] += match.prompt_pages
-    if match.tier_codes:  # one pass over the codes: prompts run to thousands of pages
-        found = np.bincount(np.frombuffer(match.tier_codes, np.uint8), minlength=_CODES).tolist()
-        for code, pages, tokens, _ in _NAMES:
-            if found[code]:
-                counters[pages] += found[code]
-                counters[tokens] += found[code] * page_tokens
-    if match.checkpoint_tier is not None and match.pages:
-        _, _, tokens, checkpoints = _NAMES[_TIER_INDEX[int(match.checkpoint_tier)]]
-        counters[checkpoints] += 1
-        if not match.tier_codes:
-            counters[tokens] += match.tokens
-
-
-def match_counters() -> dict[str, int]:
-    """The counters `count_match` adds to, at zero."""
-    return dict.fromkeys(["requested_pages", *(name for _, *names in _NAMES for name in names)], 0)

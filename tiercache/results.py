@@ -1,11 +1,53 @@
-"""What the engine's calls return: typed results, no sentinels."""
+"""The words of the engine's answers: tiers, kinds of entry, matches and what its calls
+return. Typed results, no sentinels; nothing here moves bytes, so the wire converter and
+the remote client import this without loading the engine."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
-from tiercache.index import Match, Tier
+
+class Tier(enum.IntFlag):
+    DEVICE = 1
+    HOST = 2
+    DISK = 4
+
+
+TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)  # best first
+ARENA_TIERS = (Tier.DEVICE, Tier.HOST)  # tiers that address entries by slot
+
+
+class Kind(enum.IntEnum):
+    PAGE = 0
+    CHECKPOINT = 1
+
+
+class StopReason(enum.Enum):
+    END_OF_PROMPT = "end_of_prompt"  # every full page of the prompt hit
+    MISSING_PAGE = "missing_page"  # the next KV page is in no tier
+    NO_CHECKPOINT = "no_checkpoint"  # KV pages go on, but no checkpoint further on
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest hybrid match of a prompt."""
+
+    pages: int  # matched pages
+    tokens: int  # matched tokens = pages * page_tokens
+    prompt_pages: int  # full pages in the prompt
+    tier_codes: bytes  # best tier of each matched page, one Tier value a byte (none without paged buffers)
+    checkpoint_tier: Tier | None  # best tier of the checkpoint at the last page, if one is needed
+    stop: StopReason
+    # Leading pages whose KV pages are cached, checkpoint or not (>= pages; as many as
+    # `pages` without paged buffers): a checkpoint there would extend the hit to them.
+    kv_pages: int = 0
+
+    @property
+    def page_tiers(self) -> tuple[Tier, ...]:
+        return tuple(Tier(code) for code in self.tier_codes)
+
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,28 @@ worker, by where its buffers live:
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from tiercache.tiers.arena import SlabPart
+
+
+class Transfer(Protocol):
+    """A copy path between a worker's buffers and arena slots."""
+
+    device: torch.device
+
+    def gather(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int], rows: np.ndarray,
+               parts: Sequence[SlabPart]) -> None: ...
+    def scatter(self, parts: Sequence[SlabPart], buffers: Sequence[torch.Tensor],
+                offsets: Sequence[int], rows: np.ndarray) -> None: ...
+    def wait_for(self, event: Any, direction: str) -> None: ...
+    def fence(self, direction: str, interprocess: bool = False) -> Any: ...
+    def synchronize(self) -> None: ...
+    def forget(self, buffers: Sequence[torch.Tensor]) -> None: ...
+    def close(self) -> None: ...
 
 
 def _by_slot(part: SlabPart, rows: np.ndarray) -> tuple[slice | np.ndarray, np.ndarray]:
@@ -96,6 +112,9 @@ class CpuTransfer:
 
     def synchronize(self) -> None:
         pass
+
+    def forget(self, buffers: Sequence[torch.Tensor]) -> None:
+        pass  # nothing cached per buffer
 
     def close(self) -> None:
         if self._pool is not None:

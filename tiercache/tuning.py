@@ -17,7 +17,8 @@ import math
 
 import numpy as np
 
-from tiercache.index import Candidates, Kind
+from tiercache.index import Candidates
+from tiercache.results import Kind
 from tiercache.keymap import KeyMap
 
 _RECENCY, _VALUE = 1, 2  # blame codes; 0 marks a forgotten ring slot
@@ -33,10 +34,8 @@ def _ranks(column: np.ndarray, at: np.ndarray) -> np.ndarray:
 
 
 class AlphaTuner:
-    def __init__(self, alpha: float, counters: dict[str, int], capacity: int = 1 << 16,
-                 rate: float = 0.1) -> None:
+    def __init__(self, alpha: float, capacity: int = 1 << 16, rate: float = 0.1) -> None:
         self.alpha = min(max(alpha, ALPHA_RANGE[0]), ALPHA_RANGE[1])
-        self.counters = counters
         self.rate = rate
         self._maps = (KeyMap(), KeyMap())  # by Kind: key -> ring slot
         self._keys = np.zeros((capacity, 2), np.uint64)
@@ -77,17 +76,17 @@ class AlphaTuner:
         self._keys[slots], self._kinds[slots], self._blame[slots] = keys, kind, blame
         self._maps[kind].insert(keys, slots)
 
-    def returned(self, kind: Kind, keys: np.ndarray) -> bool:
-        """Keys being stored anew: settle the regrets among them; True if alpha moved."""
+    def returned(self, kind: Kind, keys: np.ndarray) -> int:
+        """Keys being stored anew: settle the regrets among them (moving alpha); returns
+        how many there were."""
         slots = self._maps[kind].lookup(keys) if len(keys) else np.empty(0, np.int64)
         slots = slots[slots >= 0]
         if not len(slots):
-            return False
+            return 0
         recency = int(np.count_nonzero(self._blame[slots] == _RECENCY))
         value = len(slots) - recency
         self._maps[kind].delete(self._keys[slots])
         self._blame[slots] = 0
-        self.counters["regrets"] += len(slots)
         step = math.exp(self.rate * (recency - value) / len(slots))
         self.alpha = min(max(self.alpha * step, ALPHA_RANGE[0]), ALPHA_RANGE[1])
-        return step != 1.0
+        return len(slots)

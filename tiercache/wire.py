@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import grpc
 
-from tiercache.engine import LoadResult, StoreResult, TierStats
 from tiercache.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
                               PermissionDenied, ResourceExhausted, TiercacheError, Unauthenticated,
                               Unavailable)
-from tiercache.index import Match, StopReason, Tier
 from tiercache.layout import BufferSpec, Layout
+from tiercache.results import LoadResult, Match, StopReason, StoreResult, Tier, TierStats
 from tiercache.v1 import tiercache_pb2 as pb
 
 # Domain errors and their gRPC status codes: the daemon answers with these, the client

@@ -24,7 +24,7 @@ from tiercache.client import Client
 from tiercache.engine import Engine, EngineConfig
 from tiercache.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted
 from tiercache.failpoints import InjectedFault
-from tiercache.index import Tier
+from tiercache.results import Tier
 from tiercache.policy import PolicyConfig, WriteConfig
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig

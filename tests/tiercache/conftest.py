@@ -29,7 +29,7 @@ def _checked(method, busy: threading.local):
             result = method(engine, *args, **kwargs)
         finally:
             busy.depth -= 1
-        if outermost and not engine._closing:
+        if outermost and not engine.books.closing:
             wrong = invariants.violations(engine)
             assert not wrong, f"after {method.__name__}: {wrong}"
         return result

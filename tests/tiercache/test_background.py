@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from tiercache.background import Background
+from tiercache.background import Runner
 
 
 def test_drain_returns_once_the_work_of_every_kick_is_done():
@@ -13,7 +13,7 @@ def test_drain_returns_once_the_work_of_every_kick_is_done():
             return False
         work[0] -= 1
         return True
-    background = Background(step, "test-background")
+    background = Runner(step, "test-background")
     background.start()
     # 1. a kick runs the step until it reports no work left; the barrier waits for that
     background.kick()
@@ -36,7 +36,7 @@ def test_an_error_in_a_step_surfaces_at_the_barrier_once_and_the_thread_lives_on
         if len(calls) == 1:
             raise OSError("disk gone")
         return False
-    background = Background(step, "test-background")
+    background = Runner(step, "test-background")
     background.start()
     background.kick()
     with pytest.raises(OSError, match="disk gone"):

@@ -5,7 +5,7 @@ import pytest
 
 from tiercache.engine import Engine, EngineConfig
 from tiercache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from tiercache.index import StopReason, Tier
+from tiercache.results import StopReason, Tier
 from tiercache.layout import Layout
 from tiercache.policy import AdmissionConfig, PolicyConfig
 from tiercache.tiers.disk import DiskConfig

@@ -7,7 +7,7 @@ import torch
 
 from tiercache.buffers import WorkerBuffers
 from tiercache.engine import Engine, EngineConfig
-from tiercache.index import Tier
+from tiercache.results import Tier
 from tiercache.policy import PolicyConfig, WriteConfig
 from tiercache.tiers.device import DeviceConfig
 from tiercache.tiers.disk import DiskConfig
@@ -122,7 +122,7 @@ def test_stores_land_in_the_device_tier_and_go_down_to_the_host_behind():
     assert same(rows_of(dest, range(10, 16)), rows_of(source, range(6)))
     assert same(state_of(dest, 3), state_of(source, 0))
     # 3. the background thread copies every entry down to the host
-    engine.moving.drain()
+    engine.background.drain()
     host = [t for t in engine.stats().tiers if t.tier == Tier.HOST][0]
     assert host.entries == 7 and engine.stats().counters["copied_down"] == 7
     engine.close()

@@ -1,7 +1,8 @@
 import pytest
 
 from tiercache.hashing import Namespace, key_array, page_keys
-from tiercache.index import Index, Kind, StopReason, Tier
+from tiercache.index import Index
+from tiercache.results import Kind, StopReason, Tier
 
 KEYS = key_array(page_keys(list(range(16 * 6)), Namespace("m", "fp").root(), 16))  # k1..k6
 

@@ -4,7 +4,7 @@ evictions and admissions by reason. Exact numbers after each scripted step."""
 import pytest
 
 from tiercache.engine import Engine, EngineConfig
-from tiercache.index import Tier
+from tiercache.results import Tier
 from tiercache.metrics import BUCKETS, HOPS, Traffic
 from tiercache.policy import PolicyConfig, WriteConfig
 from tiercache.tiers.disk import DiskConfig

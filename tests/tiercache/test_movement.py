@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tiercache.engine import Engine, EngineConfig
-from tiercache.index import Kind, Tier
+from tiercache.results import Kind, Tier
 from tiercache.layout import Layout
 from tiercache.policy import PolicyConfig, WriteConfig
 from tiercache.tiers.disk import DiskConfig
@@ -145,9 +145,9 @@ def test_close_flushes_what_the_host_acknowledged_and_joins_the_thread(tmp_path,
     engine = open_engine(tmp_path, host="back")
     keys = prompt_keys(LAYOUT, seed=1, pages=2)
     engine.store(random_buffers(LAYOUT, seed=1), keys, range(2), {2: 0})
-    assert engine.moving.background.running
+    assert engine.background.running
     engine.close(flush=flush)
-    assert not engine.moving.background.running
+    assert not engine.background.running
     # a new engine on the same directory sees what was flushed
     reopened = open_engine(tmp_path)
     assert reopened.stats().tiers[1].entries == expected
@@ -185,28 +185,28 @@ def slow_copies(engine, thread_name):
     """Make disk reads on `thread_name` write zeros into their targets (a torn copy), then
     stop until released, then copy for real. Returns (copying, release) events."""
     copying, release = threading.Event(), threading.Event()
-    read = engine.tiers.read_disk
+    read = engine.mover.read
 
-    def slow(kind, rows, targets):
+    def slow(kind, rows, keys, targets):
         if threading.current_thread().name == thread_name:
             for target in targets:
                 target.zero_()
             copying.set()
             release.wait(10)
-        return read(kind, rows, targets)
-    engine.tiers.read_disk = slow
+        return read(kind, rows, keys, targets)
+    engine.mover.read = slow
     return copying, release
 
 
 def wait_hook(engine):
     """An event set when a load starts waiting for promotions."""
     waiting = threading.Event()
-    await_moves = engine.moving.await_moves
+    await_moves = engine.promotions.await_moves
 
     def hooked(rows):
         waiting.set()
         await_moves(rows)
-    engine.moving.await_moves = hooked
+    engine.promotions.await_moves = hooked
     return waiting
 
 
@@ -277,13 +277,13 @@ def test_a_load_that_finds_a_promotion_started_after_its_wait_reads_the_disk_its
     engine, worker, keys = flushed_to_disk_only(tmp_path)
     copying, release = slow_copies(engine, "tiercache-background")
     waited, go_on = threading.Event(), threading.Event()
-    await_moves = engine.moving.await_moves
+    await_moves = engine.promotions.await_moves
 
     def then_pause(rows):
         await_moves(rows)
         waited.set()
         go_on.wait(10)
-    engine.moving.await_moves = then_pause
+    engine.promotions.await_moves = then_pause
     other, results = random_buffers(LAYOUT, seed=2), []
     # 1. a load finds nothing moving and goes on ...
     loader = start_load(engine, other, keys, results)

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from tiercache.engine import Engine, EngineConfig
-from tiercache.index import Candidates, Kind
+from tiercache.index import Candidates
+from tiercache.results import Kind
 from tiercache.layout import Layout
 from tiercache.policy import PolicyConfig
 from tiercache.tiers.host import HostConfig
@@ -21,16 +22,16 @@ def candidates(stamps, values):
 
 
 def tuner(capacity=64):
-    return AlphaTuner(1.0, {"regrets": 0}, capacity=capacity, rate=0.1)
+    return AlphaTuner(1.0, capacity=capacity, rate=0.1)
 
 
 def test_a_regretted_victim_of_recency_raises_alpha():
     t = tuner()
     # rows 0..3: row 0 is the oldest and the most valuable; it was evicted by recency
     t.evicted(candidates([1, 2, 3, 4], [9, 1, 1, 1]), np.array([0]), KEYS[:1])
-    assert t.returned(Kind.PAGE, KEYS[:1]) and t.alpha == pytest.approx(math.exp(0.1))
+    assert t.returned(Kind.PAGE, KEYS[:1]) == 1 and t.alpha == pytest.approx(math.exp(0.1))
     # settled once: the same key again changes nothing
-    assert not t.returned(Kind.PAGE, KEYS[:1]) and t.counters["regrets"] == 1
+    assert t.returned(Kind.PAGE, KEYS[:1]) == 0 and t.alpha == pytest.approx(math.exp(0.1))
 
 
 def test_a_victim_both_terms_condemned_teaches_nothing():
@@ -54,7 +55,7 @@ def test_regrets_are_kept_per_kind_and_forgotten_as_the_ring_wraps():
     t.evicted(candidates(range(12), [1] * 12), np.arange(6), KEYS[:6])
     assert not t.returned(Kind.PAGE, KEYS[:2])
     assert not t.returned(Kind.CHECKPOINT, KEYS[2:6])  # a page key is no checkpoint's
-    assert t.returned(Kind.PAGE, KEYS[2:6]) and t.counters["regrets"] == 4
+    assert t.returned(Kind.PAGE, KEYS[2:6]) == 4
 
 
 def test_the_engine_tunes_alpha_from_prompts_stored_again_after_eviction():

@@ -52,9 +52,9 @@ from tiercache.client import Client, EmbeddedClient
 from tiercache.engine import Engine, LoadResult, StoreResult
 from tiercache.errors import InvalidArgument
 from tiercache.hashing import Keys, PageKey
-from tiercache.index import Match, StopReason
 from tiercache.integrations import placement
 from tiercache.integrations.capture import Capture, CaptureFailed
+from tiercache.results import Match, StopReason
 from tiercache.integrations.hf_cache import (
     Cache, CacheSpec, DynamicCache, Staging, UnsupportedCache, device_buffers)
 from tiercache.integrations.stores import StoreQueue

@@ -1,8 +1,7 @@
 """The disk tier: entries in LMDB, each with a checksum that is checked on every read.
 
-Two databases in one environment: `meta` maps an entry to a small header (kind, depth,
-size, checksum, creation time), `data` to its bytes. Both are written in the same
-transaction, so an entry is either wholly there or not at all (invariant 1); the index
+The record format (two databases, `meta` for sealed headers and `data` for the bytes) is
+tiers/lmdb_format.py. An entry's header and bytes are written in the same transaction, so an entry is either wholly there or not at all (invariant 1); the index
 is rebuilt from `meta` alone. The map size is fixed when the environment opens and never
 grows under load: a full map is reported as `DiskFull` and the engine evicts and retries.
 """
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from contextlib import contextmanager
@@ -20,13 +18,12 @@ from typing import Any, Iterator, Sequence
 
 import lmdb
 import numpy as np
-import xxhash
 
 from tiercache import failpoints
 from tiercache.errors import InvalidArgument, ResourceExhausted, Unavailable
-from tiercache.hashing import KEY_BYTES, PageKey
-from tiercache.index import Kind
-from tiercache.tiers import recovery
+from tiercache.hashing import PageKey
+from tiercache.results import Kind
+from tiercache.tiers import lmdb_format, recovery
 
 GiB = 1 << 30
 # LMDB copies every page it changes, deletes included, so a map that is full to the last
@@ -36,15 +33,6 @@ _HIGH_WATER = 0.75
 _DELETES_PER_COMMIT = 128
 _RETRY_SECONDS = 5.0  # after the disk refused a write, writes wait this long before trying
 log = logging.getLogger("tiercache.disk")
-
-# magic, kind, format version, depth, payload bytes, checksum, created (ns since epoch),
-# check (what a match must bring to hit the entry: index.Index.verified); then a checksum
-# of the key and all of the above, so that a damaged header is caught by a scan alone
-_HEADER = struct.Struct("<4sBBxxIQQqQ")
-_SEALED = struct.Struct(f"{_HEADER.format}Q")
-_MAGIC = b"TCE1"
-_VERSION = 2
-
 
 @dataclass(frozen=True)
 class DiskConfig:
@@ -84,17 +72,6 @@ class DiskError(Unavailable):
     in memory, and the tier tries again only after `_RETRY_SECONDS`."""
 
 
-def _db_key(kind: Kind, key: bytes) -> bytes:
-    return bytes((kind,)) + key
-
-
-def _checksum(kind: Kind, key: bytes, depth: int, check: int, payload: object) -> int:
-    hasher = xxhash.xxh3_64(_db_key(kind, key))
-    hasher.update(struct.pack("<IQ", depth, check))
-    hasher.update(payload)  # type: ignore[arg-type]
-    return hasher.intdigest()
-
-
 class DiskReader:
     """Zero-copy reads inside one read transaction; views die with it."""
 
@@ -104,7 +81,7 @@ class DiskReader:
 
     def get(self, kind: Kind, key: PageKey) -> memoryview | None:
         """The entry's bytes, or None when missing or damaged (damage is counted)."""
-        dkey = _db_key(kind, key)
+        dkey = lmdb_format.db_key(kind, key)
         failpoints.hit("disk.read")
         try:
             header = self._txn.get(dkey, db=self._tier.meta_db)
@@ -114,40 +91,10 @@ class DiskReader:
             return None
         if header is None or payload is None:
             return None
-        record = _parse(kind, key, bytes(header))
-        if (record is None or record[1] != len(payload)
-                or record[2] != _checksum(kind, key, record[0], record[4], payload)):
+        if lmdb_format.verify_entry(dkey, bytes(header), payload, deep=True) is None:
             self._tier.checksum_failures += 1
             return None
         return payload
-
-
-def verify_entry(dkey: bytes, header: bytes, payload: memoryview | None, deep: bool) -> int | None:
-    """The size of a stored entry if its header is sound and its value has that size (and,
-    if `deep`, that checksum); None otherwise."""
-    if len(dkey) != 1 + KEY_BYTES or dkey[0] not in (Kind.PAGE, Kind.CHECKPOINT) or payload is None:
-        return None
-    kind, key = Kind(dkey[0]), dkey[1:]
-    record = _parse(kind, key, header)
-    if record is None or record[1] != len(payload):
-        return None
-    if deep and record[2] != _checksum(kind, key, record[0], record[4], payload):
-        return None
-    return record[1]
-
-
-def _seal(dkey: bytes, fields: bytes) -> bytes:
-    return fields + struct.pack("<Q", xxhash.xxh3_64_intdigest(dkey + fields))
-
-
-def _parse(kind: Kind, key: bytes, header: bytes) -> tuple[int, int, int, int, int] | None:
-    """(depth, nbytes, checksum, created_ns, check), or None for a damaged header."""
-    if len(header) != _SEALED.size or _seal(_db_key(kind, key), header[:_HEADER.size]) != header:
-        return None
-    magic, hkind, version, depth, nbytes, checksum, created, check = _HEADER.unpack_from(header)
-    if magic != _MAGIC or hkind != kind or version != _VERSION:
-        return None
-    return depth, nbytes, checksum, created, check
 
 
 class DiskTier:
@@ -155,8 +102,8 @@ class DiskTier:
                  moved_aside: str | None = None) -> None:
         self.config = config
         self.env = env
-        self.meta_db = env.open_db(b"meta")
-        self.data_db = env.open_db(b"data")
+        self.meta_db = env.open_db(lmdb_format.META_DB)
+        self.data_db = env.open_db(lmdb_format.DATA_DB)
         self.used_bytes = 0
         self.checksum_failures = 0
         self.write_errors = 0  # writes the disk refused (ENOSPC, EIO): counted, logged once
@@ -220,10 +167,8 @@ class DiskTier:
         with self.env.begin(write=True) as txn:
             for (kind, key, depth, payload), check in zip(entries, checks, strict=True):
                 view = memoryview(payload).cast("B")  # type: ignore[arg-type]
-                dkey = _db_key(kind, key)
-                header = _seal(dkey, _HEADER.pack(
-                    _MAGIC, kind, _VERSION, depth, view.nbytes,
-                    _checksum(kind, key, depth, check, view), created, check))
+                dkey = lmdb_format.db_key(kind, key)
+                header = lmdb_format.header(kind, key, depth, view, check, created)
                 if not txn.put(dkey, header, db=self.meta_db, overwrite=False):
                     continue  # already on disk
                 txn.put(dkey, view, db=self.data_db)
@@ -240,7 +185,7 @@ class DiskTier:
                    for s in (txn.stat(self.meta_db), txn.stat(self.data_db)))
 
     def delete(self, entries: Sequence[tuple[Kind, PageKey]]) -> None:
-        self._delete([_db_key(kind, key) for kind, key in entries])
+        self._delete([lmdb_format.db_key(kind, key) for kind, key in entries])
 
     def _delete(self, dkeys: Sequence[bytes]) -> None:
         """Delete entries in small transactions: a delete copies every page it changes, so
@@ -283,8 +228,8 @@ class DiskTier:
         damaged: list[bytes] = []
         with self.env.begin() as txn:
             for dkey, header in txn.cursor(db=self.meta_db):
-                kind = Kind(dkey[0]) if len(dkey) == 17 and dkey[0] in (Kind.PAGE, Kind.CHECKPOINT) else None
-                parsed = None if kind is None else _parse(kind, dkey[1:], header)
+                kind = lmdb_format.kind_of(dkey)
+                parsed = None if kind is None else lmdb_format.parse(kind, dkey[1:], header)
                 if kind is None or parsed is None:
                     self.checksum_failures += 1
                     damaged.append(dkey)

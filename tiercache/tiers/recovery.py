@@ -31,6 +31,7 @@ from typing import Callable, TextIO
 import lmdb
 
 from tiercache.errors import FailedPrecondition
+from tiercache.tiers import lmdb_format
 
 log = logging.getLogger("tiercache.disk")
 
@@ -47,16 +48,16 @@ class Survey:
 def survey(path: str, deep: bool = False, visit: Visit | None = None) -> Survey:
     """Walk an environment read-only; with `deep`, also check every value's checksum (and
     hand each sound entry to `visit`). Raises lmdb.Error where LMDB finds it broken."""
-    from tiercache.tiers.disk import verify_entry  # the header format lives there
     env = lmdb.open(path, readonly=True, lock=False, max_dbs=2, subdir=True)
     entries = damaged = total = 0
     try:
-        meta, data = env.open_db(b"meta", create=False), env.open_db(b"data", create=False)
+        meta = env.open_db(lmdb_format.META_DB, create=False)
+        data = env.open_db(lmdb_format.DATA_DB, create=False)
         with env.begin(buffers=True) as txn:
             for dkey, header in txn.cursor(db=meta):
                 dkey = bytes(dkey)
                 payload = txn.get(dkey, db=data)  # a view: its size, no read of its pages
-                nbytes = verify_entry(dkey, bytes(header), payload, deep)
+                nbytes = lmdb_format.verify_entry(dkey, bytes(header), payload, deep)
                 if nbytes is None:
                     damaged += 1
                     continue

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers", minversion="5.23")
 import tiercache  # noqa: E402
 from tiercache.client import EmbeddedClient  # noqa: E402
 from tiercache.engine import Engine, EngineConfig  # noqa: E402
-from tiercache.index import StopReason, Tier  # noqa: E402
+from tiercache.results import StopReason, Tier  # noqa: E402
 from tiercache.integrations.transformers import (  # noqa: E402
     AdapterConfig, CacheSpec, HybridCacheAdapter, UnsupportedCache, device_buffers)
 from tiercache.tiers.disk import DiskConfig  # noqa: E402

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from tiercache.hashing import Namespace, page_keys
-from tiercache.index import Kind
+from tiercache.results import Kind
 from tiercache.tiers.disk import DiskConfig, DiskFull, DiskTier, as_array
 
 KEYS = page_keys(list(range(16 * 4)), Namespace("m", "fp").root(), 16)

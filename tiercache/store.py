@@ -1,0 +1,239 @@
+"""The store path: a prompt's KV pages and the checkpoints admission keeps, copied out of
+the worker's rows into the first tier.
+
+A store claims the keys nobody holds or writes (the books), reserves slots (settling
+what an eviction displaced, outside the lock), copies the rows in batches and publishes
+each batch once its bytes are all there (invariant 1). Device-tier workers store device
+to device and the background copies the entries down to the host; a durable store then
+waits until every entry is committed to disk.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from tiercache import failpoints
+from tiercache.admission import admit, entry_values
+from tiercache.background import Background, Mover
+from tiercache.books import Books
+from tiercache.buffers import WorkerBuffers, row_ids
+from tiercache.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
+from tiercache.hashing import Keys, distinct_keys
+from tiercache.load import Group
+from tiercache.metrics import Traffic
+from tiercache.policy import AdmissionConfig
+from tiercache.results import Kind, StoreResult, Tier
+from tiercache.transfer import Transfer
+
+Alive = Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class StoreJob:
+    """One store, as the engine's store calls describe it."""
+
+    buffers: WorkerBuffers
+    chain: np.ndarray  # the prompt's page keys
+    src: np.ndarray | None  # the worker's row of each page (None: checkpoints only)
+    slots: dict[int, int]  # the checkpoints to keep: pages -> the worker's state slot
+    transfer: Transfer
+    ready: Any = None  # an event the worker recorded after writing the rows (GPU)
+    checks: np.ndarray | None = None  # one per key (hashing.page_chain)
+    alive: Alive | None = None  # whether the caller still waits (its rows are still ours)
+    pins: list[np.ndarray] | None = None  # a durable store pins what it publishes or finds
+
+    def again(self, depths: np.ndarray) -> "StoreJob":
+        """This store once more, for the checkpoints at `depths` only (pages all again)."""
+        return StoreJob(self.buffers, self.chain, self.src, {d: self.slots[d] for d in depths.tolist()},
+                        self.transfer, None, self.checks, self.alive, self.pins)
+
+
+def checks_of(checks: np.ndarray | None, keys: np.ndarray) -> np.ndarray | None:
+    """Checks as uint64, one per key, or None."""
+    if checks is None:
+        return None
+    checks = np.asarray(checks, np.uint64).reshape(-1)
+    if len(checks) != len(keys):
+        raise InvalidArgument(f"got {len(checks)} checks for {len(keys)} keys: give one per key")
+    return checks
+
+
+class Stores:
+    def __init__(self, books: Books, mover: Mover, background: Background, traffic: Traffic,
+                 admission: AdmissionConfig) -> None:
+        self.books = books
+        self.mover = mover
+        self.background = background
+        self.traffic = traffic
+        self.admission = admission
+
+    def job(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],
+            checkpoints: Mapping[int, int] | None, transfer: Transfer, ready: Any,
+            checks: np.ndarray | None, alive: Alive | None, durable: bool) -> StoreJob:
+        """Check a store's input and keep the checkpoints admission picks of those offered."""
+        layout, chain = buffers.layout, distinct_keys(keys)
+        checks = checks_of(checks, chain)
+        offered = dict(checkpoints or {})
+        bad = [n for n in offered if not 0 < n <= len(chain)]
+        if bad:
+            raise InvalidArgument(f"checkpoint at page {bad[0]} is outside the prompt's "
+                                  f"{len(chain)} full pages")
+        if offered and not layout.needs_checkpoint:
+            raise InvalidArgument("this layout has no slot buffers: offer no checkpoints")
+        slots = dict(zip(offered, row_ids(list(offered.values()), layout.slot_rows,
+                                          "state slot").tolist()))
+        src = page_rows(buffers, chain, rows) if layout.needs_pages else None
+        if src is None and len(rows):
+            raise InvalidArgument("this layout has no paged buffers: give no kv rows")
+        shared = self.books.cached_pages(chain) if layout.needs_pages else 0
+        kept = admit(self.admission, offered, len(chain), shared)
+        self.books.count("declined_checkpoints", len(offered) - len(kept))
+        if durable and self.books.disk is None:  # before any copying
+            raise FailedPrecondition("durable stores need a disk tier: start the daemon with one")
+        return StoreJob(buffers, chain, src, {n: slots[n] for n in kept.tolist()}, transfer, ready,
+                        checks, alive, [] if durable else None)
+
+    def store(self, job: StoreJob, timeout: float | None = None) -> StoreResult:
+        try:
+            result = self.chain(job)
+            if job.pins is not None:
+                self.persist(job, result, timeout)
+            return result
+        finally:
+            if job.pins:
+                self.books.unpin(np.concatenate(job.pins))
+
+    def chain(self, job: StoreJob) -> StoreResult:
+        """Store the pages of a chain (if any) and its kept checkpoints, all under one
+        stamp, each entry rated by what it saves (admission.entry_values)."""
+        layout, depths = job.buffers.layout, np.array(sorted(job.slots), np.int64)
+        stamp, found = self.books.stamp(job.chain, layout.needs_checkpoint)
+        ends = np.union1d(np.flatnonzero(found >= 0) + 1, depths)
+        page_values, end_values = entry_values(layout, len(job.chain), ends)
+        result = StoreResult(0, 0, 0)
+        if job.src is not None:
+            result += self._store(job, Group.pages(job.buffers, job.transfer), job.chain,
+                                  np.arange(1, len(job.chain) + 1), job.src, page_values, stamp,
+                                  job.checks)[0]
+        elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
+            self.books.raise_values(Kind.PAGE, job.chain, page_values)
+        if len(depths):
+            part, kept = self._store(job, Group.checkpoints(job.buffers, job.transfer),
+                                     job.chain[depths - 1], depths,
+                                     np.array([job.slots[d] for d in depths.tolist()], np.int64),
+                                     end_values[np.searchsorted(ends, depths)], stamp,
+                                     None if job.checks is None else job.checks[depths - 1])
+            result += StoreResult(part.stored, part.present, part.skipped,
+                                  tuple(depths[kept].tolist()))
+        return result
+
+    def _store(self, job: StoreJob, group: Group, keys: np.ndarray, depths: np.ndarray,
+               src: np.ndarray, values: np.ndarray, stamp: int, checks: np.ndarray | None
+               ) -> tuple[StoreResult, np.ndarray]:
+        """Store entries in the first tier: the device tier for workers on its GPU, else the
+        host. Returns the result and which keys are cached now."""
+        group.transfer.wait_for(job.ready, "store")
+        tier = Tier.DEVICE if group.transfer is self.mover.device_transfer else Tier.HOST
+        claim = self.books.claim(group.kind, keys, group.nbytes, values, stamp, checks, job.pins)
+        todo, stored = claim.todo, 0
+        try:
+            while stored < len(todo):  # in batches: each one may push the last down a tier
+                slots, displaced = self.books.reserve(group.nbytes, len(todo) - stored, tier)
+                if displaced:  # room that an eviction must move first
+                    self.mover.settle(displaced)
+                    if not slots:
+                        continue
+                if not slots and tier == Tier.DEVICE:  # too small, or pinned by loads: the host
+                    tier = Tier.HOST  # takes the rest
+                    continue
+                if not slots:
+                    break
+                batch = todo[stored:stored + len(slots)]  # shallow pages first
+                self._copy(job, group, src[batch], slots, tier)
+                rows = self.books.publish(group.kind, keys[batch], depths[batch], group.nbytes,
+                                          tier, slots, stamp, values[batch],
+                                          None if checks is None else checks[batch],
+                                          pin=job.pins is not None)
+                if job.pins is not None:
+                    job.pins.append(rows)
+                (self.background.stored_on_device if tier == Tier.DEVICE else self.background.stored)(rows)
+                stored += len(batch)
+        finally:
+            self.books.unclaim(group.kind, claim.keys, stored, len(todo) - stored)
+        if len(todo) and not stored:
+            arena = self.books.arena(tier)
+            raise ResourceExhausted(
+                f"no room in the {tier.name.lower()} tier for a {group.nbytes}-byte entry (budget "
+                f"{arena.budget_bytes} bytes, the rest pinned by loads): raise the "
+                f"{tier.name.lower()} budget")
+        kept = np.ones(len(keys), bool)
+        kept[todo[stored:]] = False
+        kept[claim.clashes] = False
+        skipped = len(todo) - stored + len(claim.clashes)
+        return StoreResult(stored, len(keys) - len(todo) - len(claim.clashes), skipped), kept
+
+    def _copy(self, job: StoreJob, group: Group, src: np.ndarray, slots: list[int], tier: Tier) -> None:
+        """Copy worker rows into slots nobody can see yet; returns once the worker may
+        reuse the rows. Nothing is published if the caller stopped waiting meanwhile."""
+        arena = self.books.arena(tier)
+        try:
+            failpoints.hit("store.before_gather")
+            with self.traffic.timed("worker", tier.name.lower(), len(src) * group.nbytes):
+                group.transfer.gather(group.buffers, group.offsets, src,
+                                      list(arena.pool(group.nbytes).parts(np.asarray(slots, np.int64))))
+                group.transfer.fence("store").synchronize()  # this batch only, not the device
+            failpoints.hit("store.before_publish")
+            if job.alive is not None and not job.alive():
+                raise DeadlineExceeded("the call ended while its rows were being copied: "
+                                       "the rest of the store was dropped")
+        except BaseException:
+            self.books.free(group.nbytes, slots, tier)
+            raise
+
+    def persist(self, job: StoreJob, stored: StoreResult, timeout: float | None) -> None:
+        """Commit the entries of a store to disk before it is acknowledged as durable. The
+        store pinned what it published or found cached, so no other store evicts it now;
+        entries another store was writing at the time are waited for, and stored again if
+        it failed (the caller still waits, so its rows still hold them)."""
+        if stored.skipped:
+            raise ResourceExhausted(f"{stored.skipped} entries of the store found no room in "
+                                    "memory, so they cannot be made durable: raise the budgets")
+        depths = np.asarray(stored.checkpoints, np.int64)
+        deadline = time.monotonic() + (30.0 if timeout is None else timeout)
+        while True:
+            failpoints.hit("store.before_persist")
+            self.books.check_open()
+            rows = np.concatenate([self.books.rows_of(Kind.PAGE, job.chain) if job.src is not None else [],
+                                   self.books.rows_of(Kind.CHECKPOINT, job.chain[depths - 1])]
+                                  ).astype(np.int64)
+            if np.all(np.isin(rows, np.concatenate(job.pins) if job.pins else [])):
+                break
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded("entries of a durable store stayed in other stores' hands "
+                                       "until the deadline: its entries may or may not be durable")
+            time.sleep(0.001)  # others may still be writing them: store again what is missing
+            self.chain(job.again(depths))
+        todo = rows[~self.books.in_tier(rows, Tier.DISK)]
+        if self.books.device is not None:  # device-only entries go down first
+            down = self.books.begin_copy_down(todo)
+            if down is not None:
+                copied = Mover._try(lambda: self.mover.copy_down(down) or True, "a copy down")
+                self.books.end_copy_down(down, copied)
+        left = None if timeout is None else deadline - time.monotonic()
+        if not self.background.write_and_wait(todo, left):
+            raise DeadlineExceeded("the deadline passed before the store reached disk: "
+                                   "its entries may or may not be durable")
+        if not np.all(self.books.in_tier(rows, Tier.DISK)):
+            raise ResourceExhausted("the disk tier could not take the store's entries: "
+                                    "raise --disk-map-size or store without durable")
+
+
+def page_rows(buffers: WorkerBuffers, chain: np.ndarray, rows: Sequence[int]) -> np.ndarray:
+    src = row_ids(rows, buffers.layout.page_rows, "kv row")
+    if len(src) != len(chain):
+        raise InvalidArgument(f"got {len(chain)} page keys but {len(src)} kv rows: give one row per page")
+    return src
