@@ -45,6 +45,7 @@ class DevicePrefixCache:
         self.used = 0
         self.evicted = 0
         self._lock = threading.Lock()  # the adapter stores from a thread of its own
+        self._stored = None  # on a GPU: an event after the last store's copies into the pools
 
     def keys(self, tokens: Any) -> list[PageKey]:
         return page_keys(tokens, self.root, self.layout.page_tokens)
@@ -71,6 +72,8 @@ class DevicePrefixCache:
             return self._load(_listed(keys)[:len(kv_rows)], kv_rows, slot)
 
     def _load(self, keys: list[PageKey], kv_rows: Sequence[int], slot: int | None) -> LoadResult:
+        if self._stored is not None:  # a store's copies (on its own stream) come first
+            torch.cuda.current_stream(self.device).wait_event(self._stored)
         match = self._match(keys)
         if not match.pages:
             return LoadResult(match, {}, 0)
@@ -102,6 +105,8 @@ class DevicePrefixCache:
             return StoreResult(0, offered - added, added)
         self._add(PAGE, self.paged, [keys[i] for i in new_pages], [kv_rows[i] for i in new_pages])
         self._add(STATE, self.slots, new_states, [states[k] for k in new_states])
+        if self.device.type == "cuda":
+            self._stored = torch.cuda.current_stream(self.device).record_event()
         self._touch(keys)
         return StoreResult(added, offered - added, 0,
                            tuple(sorted(n // page for n in (checkpoints or {}))))

@@ -18,9 +18,11 @@ Placements, each with the eviction its system uses:
 - vLLM align mode + #37898-like: a checkpoint at the end of each prefill step (chunks of
   2,048 tokens from the hit), at the last full page, and at the branch point, LRU.
 
-Bytes are scaled down 4096 times from Qwen3-Next-80B-A3B at TP 1 in bf16, keeping its
+Bytes are scaled down 512 times from Qwen3-Next-80B-A3B at TP 1 in bf16, keeping its
 ratio of state to KV: a checkpoint (36 gated-delta-net layers: 37.7 MiB) holds as much
 as 50 KV pages of 32 tokens (12 attention layers: 768 KiB), and FLOPs come from its shape.
+(At 4096 times, as before, a page was 192 bytes, but every memory-tier slot is charged at
+least 1 KiB: pages cost 5x their share of the budget and the hit rates collapsed.)
 
 Workloads:
 - shared_prefix (seed 001: SGLang's generated-shared-prefix benchmark, made multi-turn):
@@ -61,7 +63,7 @@ QWEN3_NEXT = ModelShape(
     head_dim=256, mlp_layers=48, intermediate_size=11 * 512, ssm_layers=36, ssm_heads=32,
     ssm_head_dim=128, ssm_state_size=128, ssm_groups=16)
 PAGE_TOKENS = 32
-SCALE = 4096  # real bytes per simulated byte
+SCALE = 512  # real bytes per simulated byte (a page of 1.5 KiB: slots are charged at least 1 KiB)
 KV_BYTES_PER_TOKEN = 12 * 2 * 2 * 256 * 2  # attention layers x (K, V) x KV heads x head dim x bf16
 STATE_BYTES = 36 * (32 * 128 * 128 * 2 + 3 * (2 * 2048 + 4096) * 2)  # recurrent + conv state, bf16
 BUDGETS = (0.05, 0.20, 0.50)

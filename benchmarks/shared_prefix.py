@@ -188,7 +188,7 @@ def device_cache(model: torch.nn.Module, config: AdapterConfig, budget: int) -> 
     device = next(model.parameters()).device
     adapter = HybridCacheAdapter(DevicePrefixCache(layout, budget, device), spec, config,
                                  lambda: DynamicCache(config=model.config), device)
-    adapter._capture_for(model)
+    adapter.capture_for(model)
     return adapter
 
 
@@ -264,7 +264,7 @@ def parse() -> argparse.Namespace:
 def kernels(model: torch.nn.Module, adapter: HybridCacheAdapter) -> str:
     fla = importlib.util.find_spec("fla") is not None
     conv = importlib.util.find_spec("causal_conv1d") is not None
-    capture = adapter._capture_for(model)
+    capture = adapter.capture_for(model)
     return (f"gated delta rule: {'flash-linear-attention' if fla else 'torch fallback (no fla)'}; "
             f"causal conv1d: {'causal-conv1d' if conv else 'torch'}; attention: "
             f"{model.config._attn_implementation}; checkpoints: "

@@ -206,7 +206,7 @@ class HybridCacheAdapter:
         worker = client.register(config.model_id, layout, extra_keys=config.extra, buffers=buffers)
         adapter = cls(worker, spec, config, new_cache, device)
         if config.one_pass:
-            adapter._capture_for(model)  # tried now, not inside the first prefill
+            adapter.capture_for(model)  # tried now, not inside the first prefill
         return adapter
 
     def flush(self) -> None:
@@ -355,7 +355,7 @@ class HybridCacheAdapter:
         cache, done, length = restored.cache, restored.tokens, input_ids.shape[1]
         page, extra = self.config.page_tokens, {"logits_to_keep": 1} if last_only else {}
         ends = {pages * page: slot for pages, slot in slots.items()}
-        capture = self._capture_for(model) if self.config.one_pass else None
+        capture = self.capture_for(model) if self.config.one_pass else None
         if capture is None:
             stops = sorted(set(ends) | {length})
         else:
@@ -375,7 +375,7 @@ class HybridCacheAdapter:
                 self.staging.state_from(cache, ends[end])
         return passes
 
-    def _capture_for(self, model: torch.nn.Module) -> Capture | None:
+    def capture_for(self, model: torch.nn.Module) -> Capture | None:
         """The model's capture, tried once on two tokens; None (and a log line) if its
         linear-attention kernels cannot run in segments."""
         if id(model) in self._captures and self._captures[id(model)][0] is model:
