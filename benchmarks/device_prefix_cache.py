@@ -86,14 +86,14 @@ class DevicePrefixCache:
         return LoadResult(match, {Tier.DEVICE: nbytes}, 0)
 
     def store(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
-              checkpoints: Mapping[int, int] | None = None) -> StoreResult:
+              checkpoints: Mapping[int, int] | None = None, first_page: int = 0) -> StoreResult:
         with self._lock:
-            return self._store(_listed(keys), kv_rows, checkpoints)
+            return self._store(_listed(keys), kv_rows, checkpoints, first_page)
 
     def _store(self, keys: list[PageKey], kv_rows: Sequence[int],
-               checkpoints: Mapping[int, int] | None) -> StoreResult:
-        page = self.layout.page_tokens
-        states = {keys[n // page - 1]: slot for n, slot in (checkpoints or {}).items()}
+               checkpoints: Mapping[int, int] | None, first: int) -> StoreResult:
+        page = self.layout.page_tokens  # keys are pages first+1..
+        states = {keys[n // page - first - 1]: slot for n, slot in (checkpoints or {}).items()}
         new_pages = [i for i, k in enumerate(keys) if (PAGE, k) not in self.entries]
         new_states = [k for k in states if (STATE, k) not in self.entries]
         offered = len(keys) + len(states)

@@ -139,7 +139,8 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                                        np.asarray(request.kv_rows, np.int64), checkpoints,
                                        ready=_event(request.ready_event, worker), checks=checks,
                                        alive=lambda: _waiting(context), durable=request.durable,
-                                       timeout=context.time_remaining())
+                                       timeout=context.time_remaining(),
+                                       first_page=request.first_page)
         return store_to_proto(result)
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:

@@ -82,6 +82,7 @@ class Request:
 
     keys: bytes
     checks: bytes = b""
+    first_page: int = 0  # stores: the keys are pages first_page+1.. of the prompt
 
 
 class Backend(Protocol):
@@ -130,17 +131,26 @@ class Worker:
         return self._backend.load(self._packed(tokens, keys), list(kv_rows), slot, synchronous)
 
     def store(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
-              checkpoints: Mapping[int, int] | None = None, durable: bool = False) -> StoreResult:
+              checkpoints: Mapping[int, int] | None = None, durable: bool = False,
+              first_page: int = 0) -> StoreResult:
         """Store the prompt's pages from kv_rows and the checkpoints offered, {token position:
         state slot}, each position a multiple of the page size. With `durable`, return only
-        once they are committed to disk (they survive the daemon crashing)."""
+        once they are committed to disk (they survive the daemon crashing).
+
+        `first_page`: after a hit of that many pages (ending at a checkpoint), send only what
+        the store adds: `keys` and `kv_rows` for pages first_page+1.. (given `tokens`, all of
+        the prompt's tokens, the keys are cut here); positions still count from the start."""
         page = self.layout.page_tokens
         bad = [p for p in (checkpoints or {}) if p <= 0 or p % page]
         if bad:
             raise InvalidArgument(f"checkpoint position {bad[0]} is not a positive multiple of the "
                                   f"page size {page}: states are kept at page boundaries only")
         pages = {p // page: slot for p, slot in (checkpoints or {}).items()}
-        return self._backend.store(self._packed(tokens, keys), list(kv_rows), pages, durable)
+        prompt = self._packed(tokens, keys)
+        if first_page:
+            cut = first_page if tokens is not None else 0
+            prompt = Request(prompt.keys[16 * cut:], prompt.checks[8 * cut:], first_page)
+        return self._backend.store(prompt, list(kv_rows), pages, durable)
 
     def evict(self, tokens: Any = None, *, keys: Keys | None = None, tier: Tier | None = None) -> int:
         return self._backend.evict(self._packed(tokens, keys), tier)
@@ -209,7 +219,7 @@ class _Remote:
               durable: bool) -> StoreResult:
         ready = _ready_event(self._device)
         request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                  kv_rows=rows, durable=durable,
+                                  kv_rows=rows, durable=durable, first_page=prompt.first_page,
                                   ready_event=ready.ipc_handle() if ready else b"",
                                   checkpoints=[pb.Checkpoint(pages=n, slot=s)
                                                for n, s in sorted(checkpoints.items())])
@@ -335,7 +345,7 @@ class _Embedded:
         device = self._buffers.device if self._buffers.device.type == "cuda" else None
         return self._engine.store(self._buffers, prompt.keys, rows, checkpoints,
                                   ready=_ready_event(device), checks=_checks(prompt),
-                                  durable=durable)
+                                  durable=durable, first_page=prompt.first_page)
 
     def evict(self, prompt: Request, tier: Tier | None) -> int:
         return self._engine.evict(prompt.keys, tier)

@@ -185,13 +185,18 @@ class Engine:
     def store(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
               checkpoints: Mapping[int, int] | None = None, ready: Any = None, *,
               checks: np.ndarray | None = None, alive: Callable[[], bool] | None = None,
-              durable: bool = False, timeout: float | None = None) -> StoreResult:
+              durable: bool = False, timeout: float | None = None,
+              first_page: int = 0) -> StoreResult:
         """Store a prompt after prefill: its KV pages (keys[i] from rows[i]; none for a
         layout without paged buffers) and, of the checkpoints offered, {pages: state slot}
         (each the state after that many pages), those the admission policy keeps. The
         result names the checkpoints now cached. On a GPU, copies start after `ready` (an
         event the worker recorded after writing the rows); the call returns when the
         worker may reuse its rows.
+
+        `first_page`: the keys are pages first_page+1.. of the prompt, after a hit of
+        first_page pages that ends at a checkpoint (a store that adds to what a load
+        brought sends only what it adds); checkpoints still count pages from the start.
 
         `checks` (uint64, one per key, e.g. hashing.page_checks) go with the entries: a
         match must bring the same to hit them. `alive` says whether the caller still
@@ -201,7 +206,7 @@ class Engine:
         `durable`: return only once every page of the chain and each checkpoint the result
         names are committed to disk (within `timeout` seconds); raise if they cannot be."""
         job = self.stores.job(buffers, keys, rows, checkpoints, self._transfer_for(buffers), ready,
-                              checks, alive, durable)
+                              checks, alive, durable, first_page)
         return self.stores.store(job, timeout)
 
     def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],

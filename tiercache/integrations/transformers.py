@@ -89,7 +89,7 @@ class Connection(Protocol):
     def load(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
              slot: int | None = None) -> LoadResult: ...
     def store(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
-              checkpoints: Mapping[int, int] | None = None) -> StoreResult: ...
+              checkpoints: Mapping[int, int] | None = None, first_page: int = 0) -> StoreResult: ...
     def close(self) -> None: ...
 
 
@@ -233,22 +233,24 @@ class HybridCacheAdapter:
         keys = self.keys(tokens)
         return self.worker.match(keys=keys) if keys else _MISS
 
-    def _store_call(self, keys: list[PageKey], base: int, checkpoints: Mapping[int, int]
-                    ) -> Callable[[], StoreResult | None]:
-        """The store of rows base.. as the pages of `keys` and {pages: slot} as checkpoints.
-        A checkpoint goes with the prefix it ends, in a call of its own: tiercache's admission
-        keeps the one at the end of each call's keys (and declines others it does not expect
-        reuse at), and these are the ones the adapter chose to keep."""
+    def _store_call(self, keys: list[PageKey], base: int, checkpoints: Mapping[int, int],
+                    first: int = 0) -> Callable[[], StoreResult | None]:
+        """The store of rows base.. as the pages of `keys` and {pages: slot} as checkpoints,
+        sending only what comes after the `first` pages a hit brought (they end at a
+        checkpoint). A checkpoint goes with the prefix it ends, in a call of its own:
+        tiercache's admission keeps the one at the end of each call's keys (and declines
+        others it does not expect reuse at), and these are the ones the adapter chose."""
         page = self.config.page_tokens
-        calls = [(keys[:pages], {pages * page: slot}) for pages, slot in sorted(checkpoints.items())]
-        if keys and len(keys) not in checkpoints:
-            calls.append((keys, {}))
+        calls = [(pages, {pages * page: slot}) for pages, slot in sorted(checkpoints.items())]
+        if len(keys) > first and len(keys) not in checkpoints:
+            calls.append((len(keys), {}))
 
         def store() -> StoreResult | None:
             total = None
-            for chain, offered in calls:
-                rows = range(base, base + len(chain)) if self.layout.needs_pages else ()
-                result = self.worker.store(keys=chain, kv_rows=rows, checkpoints=offered or None)
+            for end, offered in calls:
+                rows = range(base + first, base + end) if self.layout.needs_pages else ()
+                result = self.worker.store(keys=keys[first:end], kv_rows=rows,
+                                           checkpoints=offered or None, first_page=first)
                 total = result if total is None else total + result
             return total
         return store
@@ -340,7 +342,7 @@ class HybridCacheAdapter:
         self._mark("copy new pages to staging")
         store = None
         if len(keys) > loaded or slots:
-            store = self.stores.submit(self._store_call(keys, buffers.base, slots),
+            store = self.stores.submit(self._store_call(keys, buffers.base, slots, loaded),
                                        buffers.rows, slots.values())
         self._mark("hand the store over")
         logits = passes[-1][1] if last_only else torch.cat([lg for _, lg in passes], dim=1)

@@ -173,6 +173,53 @@ def test_checkpoints_every_n_pages_in_one_pass_or_in_chunks(model, calls, one_pa
     engine.close()
 
 
+class Recorder:
+    """A registered worker that notes each call the adapter makes: (call, keys sent, first_page)."""
+
+    def __init__(self, worker) -> None:
+        self.worker, self.calls = worker, []
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def match(self, tokens=None, *, keys=None):
+        self.calls.append(("match", len(keys), 0))
+        return self.worker.match(keys=keys)
+
+    def load(self, tokens=None, *, keys=None, kv_rows=(), slot=None):
+        self.calls.append(("load", len(keys), 0))
+        return self.worker.load(keys=keys, kv_rows=kv_rows, slot=slot)
+
+    def store(self, tokens=None, *, keys=None, kv_rows=(), checkpoints=None, first_page=0):
+        self.calls.append(("store", len(keys), first_page))
+        return self.worker.store(keys=keys, kv_rows=kv_rows, checkpoints=checkpoints,
+                                 first_page=first_page)
+
+
+def test_a_hit_is_one_call_and_its_store_sends_only_what_it_adds(model):
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=MiB)))
+    spec = CacheSpec.probe(model, lambda: transformers.DynamicCache(config=model.config))
+    layout = spec.layout(PAGE, ADAPTER.rows, ADAPTER.slots)
+    worker = Recorder(EmbeddedClient(engine).register(ADAPTER.model_id, layout))
+    adapter = HybridCacheAdapter(worker, spec, ADAPTER, lambda: transformers.DynamicCache(
+        config=model.config), "cpu")
+    first = tokens(37, seed=50)
+    adapter.prefill(model, first).store.result()
+    assert worker.calls == [("load", 4, 0), ("store", 4, 0)]  # a miss: every page is new
+
+    # 46 tokens sharing the first 4 pages: one Load before the logits; behind them, one
+    # Store of page 5 and the state after it, sent as pages after the hit.
+    worker.calls.clear()
+    second = torch.cat([first[:, :32], tokens(14, seed=51)], dim=1)
+    run = adapter.prefill(model, second)
+    assert (run.loaded_tokens, run.checkpoints) == (32, (5,))
+    assert run.store.result().checkpoints == (5,)
+    assert worker.calls == [("load", 5, 0), ("store", 1, 4)]
+    assert adapter.match(second[0, :45]).pages == 5
+    adapter.close()
+    engine.close()
+
+
 def test_a_branch_point_gets_a_checkpoint_and_the_next_prompt_hits_it(model):
     engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=MiB)))
     adapter = HybridCacheAdapter.for_model(model, engine, ADAPTER)
