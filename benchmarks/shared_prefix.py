@@ -20,7 +20,8 @@ Systems, each prompt through all of them in turn (machine noise falls on all):
   staging rows are on its GPU, shared by CUDA IPC (shared memory on a CPU);
 - with `--gpu-only`, also a GPU-resident cache bounded to B (LRU), as before.
 Both caches run the same `HybridCacheAdapter.prefill`: one forward pass that keeps the
-states at the planned boundaries (the end, the branch point, every C tokens), stores behind
+states at the planned boundaries (the prompt's last full page, the branch point, every C
+tokens; not the page before the last token: no prompt here is repeated), stores behind
 the return. Hits and misses are reported apart; a group's first prompt is a miss for all.
 
 Models (`--model`, both by default): Qwen3-Next's MoE layer shapes and Qwen3.5's dense
@@ -318,6 +319,8 @@ def run_model(args: argparse.Namespace, scale: Scale, size: ModelSize, device: t
                 print(f"peak GPU memory allocated: "
                       f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
         ideal.close()
+        if args.gpu_only:
+            bounded.close()
     if os.environ.get("OUT"):
         name = size.name.split(",")[0].split()[0].lower()
         with open(os.path.join(os.environ["OUT"], f"shared_prefix-{name}.txt"), "w") as f:

@@ -158,9 +158,9 @@ def _one_sequence(tensor: torch.Tensor, where: str) -> torch.Tensor:
 class Staging:
     """The adapter's rows: a registered worker's buffers (shared memory the daemon maps, CUDA
     memory it opens by IPC, or plain tensors for an engine in-process), holding the KV pages
-    of one sequence (row p = page p+1, so a load and later stores of the same prompt share
-    rows) and one state slot. tiercache copies between these and its tiers; this class
-    copies between these and a transformers cache."""
+    of one sequence (row base + p = page p+1: the adapter keeps two sets of rows, see
+    transformers._Set) and state slots. tiercache copies between these and its tiers; this
+    class copies between these and a transformers cache."""
 
     def __init__(self, spec: CacheSpec, page_tokens: int, paged: Mapping[str, torch.Tensor],
                  slots: Mapping[str, torch.Tensor]) -> None:
