@@ -44,7 +44,7 @@ import argparse
 import contextlib
 import gc
 import dataclasses
-import importlib.util
+import inspect
 import io
 import os
 import random
@@ -263,8 +263,17 @@ def parse() -> argparse.Namespace:
 
 
 def kernels(model: torch.nn.Module, adapter: HybridCacheAdapter) -> str:
-    fla = importlib.util.find_spec("fla") is not None
-    conv = importlib.util.find_spec("causal_conv1d") is not None
+    """Which kernels the model's forward pass calls: read off the functions transformers
+    chose when it imported the modeling code (it falls back to torch silently when a
+    package is missing or fails to import)."""
+    code = sys.modules[type(model).__module__]
+    chosen = {}
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+        function = getattr(code, name, None)
+        found = inspect.getclosurevars(function).nonlocals.get("implementation") if function else None
+        chosen[name] = getattr(found, "__module__", "") or ""
+    fla = chosen["torch_chunk_gated_delta_rule"].startswith("fla")
+    conv = chosen["causal_conv1d_fn"].startswith("causal_conv1d")
     capture = adapter.capture_for(model)
     return (f"gated delta rule: {'flash-linear-attention' if fla else 'torch fallback (no fla)'}; "
             f"causal conv1d: {'causal-conv1d' if conv else 'torch'}; attention: "
