@@ -9,7 +9,15 @@ EXTRAS ?= dev,transformers
 PROTO := proto/tiercache/v1/tiercache.proto
 PROTOC = $(PY) -m grpc_tools.protoc -Iproto --python_out=$(1) --grpc_python_out=$(1) --pyi_out=$(1) $(PROTO)
 
-.PHONY: env serve test demo proto proto-check test-gpu bench-gpu wheels clean
+# The vLLM connector's tests need vLLM, whose pins (transformers<5.20) clash with the
+# transformers extra: they get a virtual environment of their own. vLLM 0.32.0 pins
+# torch==2.13.0, which the CPU build satisfies; it also pulls torchvision, torchaudio and
+# torchcodec, which do not import beside the CPU torch, so they go again.
+VLLM_VENV ?= .venv-vllm
+VLLM ?= vllm==0.32.0
+PYV := $(VLLM_VENV)/bin/python
+
+.PHONY: env serve test test-vllm demo proto proto-check test-gpu bench-gpu wheels clean
 
 env: $(VENV)/.installed
 
@@ -25,6 +33,19 @@ serve: env  ## the daemon with defaults: ./tiercache-data, 1 GiB of host memory
 
 test: env
 	$(PY) -m pytest -q
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(PYV) -m pip install -q --upgrade pip
+	$(PYV) -m pip install -q "$(TORCH)"
+	$(PYV) -m pip install -q "$(VLLM)"
+	$(PYV) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PYV) -m pip install -q -e ".[dev]"
+	$(PYV) -c "import vllm, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed  ## the vLLM connector against vLLM's real scheduler (CPU)
+	$(PYV) -m pytest -q tests/tiercache/integrations/vllm tests/service/test_groups.py
 
 demo: env  ## a daemon and two workers in shared-prefix conversations
 	$(PY) examples/demo.py
@@ -44,11 +65,12 @@ bench-gpu:  ## on a GPU machine: benchmarks.gpu_transfer (BENCHES="..." for othe
 
 WHEELS := lmdb==3.0.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
   grpcio-reflection==1.85.1 prometheus-client==0.26.0 pyyaml==6.0.3 \
-  hypothesis==6.170.15 sortedcontainers==2.4.0 fla-core==0.6.0 flash-linear-attention==0.6.0
+  hypothesis==6.170.15 sortedcontainers==2.4.0 redis==8.1.0 hiredis==3.5.0 pyzmq==27.3.0 \
+  msgpack==1.2.4 msgspec==0.22.0 fla-core==0.6.0 flash-linear-attention==0.6.0
 wheels:  ## what a GPU machine without network needs beside its torch, into .whl (Python 3.12)
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
 	  -d .whl $(WHEELS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

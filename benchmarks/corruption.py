@@ -4,7 +4,7 @@ Each round stores PROMPTS prompts of keyed content, breaks the LMDB environment 
 three random ways (bits flipped in values or headers through LMDB, values cut short, bits
 flipped in data.mdb under LMDB, data.mdb cut short, lock.mdb garbage, the meta pages
 zeroed, a file that is not LMDB), then a child process opens it and loads every prompt
-(tests/reliability/damage.py). The peer figure is Redis's corrupt-dump fuzzer, which
+(drills/damage.py). The peer figure is Redis's corrupt-dump fuzzer, which
 must end with 0 crashes.
 
     python -m benchmarks.corruption [--rounds 200] [--seed 0]
@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from benchmarks.common import print_summary, print_table
-from tests.reliability import damage
+from drills import damage
 
 PROMPTS = 16
 

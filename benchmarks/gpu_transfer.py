@@ -14,10 +14,18 @@ recurrent state and an 8192x3 bf16 conv state): the time until the worker may re
 rows after Store (the daemon's device tier takes the bytes device to device), beside one
 device-to-device copy of the same bytes; and the reload time from the device tier and
 from the host tier, beside a device-to-device copy and a bulk pinned copy.
+
+With --profile, a third part: where a store and a load of 512 MiB go, step by step
+(tiercache/trace.py: the daemon synchronises with the GPU around each step of a traced
+call), beside the worker's wall time of the same calls (RPC and client included).
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
+import json
+import os
 import tempfile
 import time
 
@@ -142,7 +150,67 @@ def prefix_32k(address: str) -> dict[str, float]:
             "reload_host_32k_over_bulk": host_s / h2d_s}
 
 
+def profile(row_bytes: int, calls: int = 5) -> dict[str, dict[str, float]]:
+    """Median milliseconds of each step of a store and a load (and the worker's wall time)."""
+    with tempfile.TemporaryDirectory() as folder:
+        trace_file = os.path.join(folder, "trace.jsonl")
+        os.environ["TIERCACHE_TRACE"] = trace_file
+        try:
+            with spawn(os.path.join(folder, "d"), "--host-budget", "3GiB", "--device-budget", "0",
+                       "--no-disk") as (address, _):
+                walls = _profiled_calls(address, row_bytes, calls)
+        finally:
+            del os.environ["TIERCACHE_TRACE"]
+        spans: dict[str, list[dict]] = collections.defaultdict(list)
+        with open(trace_file) as f:
+            for line in f:
+                record = json.loads(line)
+                spans[record["call"]].append(record["ms"])
+    out = {}
+    for call in ("Store", "Load"):
+        runs = spans[call][-calls:]  # the first calls warm up
+        steps = sorted({k for r in runs for k in r})
+        out[call] = {k: float(np.median([r.get(k, 0.0) for r in runs])) for k in steps}
+        out[call]["worker wall"] = float(np.median(walls[call]))
+    return out
+
+
+def _profiled_calls(address: str, row_bytes: int, calls: int) -> dict[str, list[float]]:
+    pages = TOTAL // (BUFFERS * row_bytes)
+    layout = Layout(16, paged=tuple(BufferSpec(f"kv{i}", 2 * pages, (row_bytes // 2,), "bfloat16")
+                                    for i in range(BUFFERS)))
+    tensors = {b.name: torch.zeros(b.shape, dtype=torch.bfloat16, device="cuda") for b in layout.paged}
+    worker = Client(address).register("bench-model", layout, buffers=tensors)
+    keys = worker.keys(np.random.default_rng(row_bytes).integers(0, 150_000, pages * 16).tolist())
+    walls: dict[str, list[float]] = collections.defaultdict(list)
+    for _ in range(calls + 2):
+        worker.evict(keys=keys)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        worker.store(keys=keys, kv_rows=range(pages))
+        walls["Store"].append((time.perf_counter() - start) * 1e3)
+        start = time.perf_counter()
+        worker.load(keys=keys, kv_rows=range(pages, 2 * pages), synchronous=True)
+        walls["Load"].append((time.perf_counter() - start) * 1e3)
+    worker.close()
+    return {k: v[-calls:] for k, v in walls.items()}
+
+
+def print_profile() -> None:
+    for row_bytes in (4096, 1 << 20):
+        found = profile(row_bytes)
+        steps = sorted(set(found["Store"]) | set(found["Load"]), key=lambda k: (k == "total", k == "worker wall", k))
+        print_table(f"where the time goes: {TOTAL // MiB} MiB in {row_bytes // 1024} KiB rows "
+                    "(ms, median of 5; steps synchronised with the GPU)", ["step", "store", "load"],
+                    [(k, found["Store"].get(k, 0.0), found["Load"].get(k, 0.0)) for k in steps])
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--profile", action="store_true", help="also the per-step breakdown")
+    args = parser.parse_args()
+    if args.profile:
+        print_profile()
     rows, summary = [], {}
     with spawn(tempfile.mkdtemp(prefix="tiercache-bench-"), "--host-budget", "3GiB",
                "--device-budget", "0", "--no-disk") as (address, _):

@@ -4,7 +4,7 @@ Two threads store and two load (every loaded byte checked against its key) on an
 whose host tier holds 12 pages of a working set of 120 entries, so that stores evict,
 evictions write to disk and loads promote disk entries, while failpoints raise at random:
 between copying a store's bytes and publishing them, inside LMDB commits, while reading
-disk entries and before a load writes the worker's rows (tests/reliability/test_publish.py).
+disk entries and before a load writes the worker's rows (drills/publish.py).
 
     python -m benchmarks.publish_drill [--seconds 60]
 """
@@ -19,7 +19,7 @@ import time
 from contextlib import ExitStack
 
 from benchmarks.common import print_summary, print_table
-from tests.reliability import test_publish as drill
+from drills import publish as drill
 from tiercache import failpoints
 
 POINTS = {"store.before_publish": 0.2, "disk.before_commit": 0.2, "disk.read": 0.05,

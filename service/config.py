@@ -13,13 +13,16 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from service import tls
+from service.kv_events import KvEventsConfig
 from tiercache.engine import EngineConfig
 from tiercache.hashing import HASHES
 from tiercache.errors import InvalidArgument
 from tiercache.policy import AdmissionConfig, PolicyConfig, WriteConfig
+from tiercache.remote import RemoteTierConfig
 from tiercache.tiers.device import DeviceConfig
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
+from tiercache.tiers.remote.store import RemoteConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
           "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
@@ -76,20 +79,45 @@ class ServiceConfig:
     drain_seconds: float = 0.0  # NOT_SERVING but still answering, this long after SIGTERM
     log_format: str = "text"  # text or json (one object a line)
     log_level: str = "info"
+    secret_file: str = ""  # masks keys per namespace; "" = <data_dir>/secret (share it to share entries)
+    # past one node (README: Past one node): a shared remote tier, KV events for routers
+    remote: str = ""  # redis-cluster://host:port[,host:port...]; "" = no remote tier
+    remote_namespace: str = ""  # "" = derived from the secret: daemons sharing it share entries
+    remote_lookup_seconds: float = 0.05  # a Match's budget for the remote tier
+    remote_local_tenants: str = ""  # comma-separated: their entries never leave this node
+    remote_local_models: str = ""
+    kv_events: str = ""  # ZMQ PUB endpoint, e.g. tcp://*:5557; "" = no KV events
+    kv_events_replay: str = ""  # ZMQ ROUTER endpoint for replays, e.g. tcp://*:5558
+    kv_events_pod: str = ""  # the topic's pod part (kv@<pod>@<model>); "" = <hostname>:<port>
+    kv_events_tenant: str = ""  # whose stores are published; "*" = every tenant's
 
     @property
     def socket_path(self) -> str:
         return self.socket or os.path.join(self.data_dir, "tiercache.sock")
 
-    def engine(self) -> EngineConfig:
+    @property
+    def secret_path(self) -> str:
+        return self.secret_file or os.path.join(self.data_dir, "secret")
+
+    def engine(self, remote_namespace: str = "unchecked") -> EngineConfig:
+        """The engine's config; `remote_namespace` is used where `remote_namespace` is not
+        set (the daemon derives it from its secret)."""
         disk = DiskConfig(os.path.join(self.data_dir, "lmdb"), self.disk_map_size,
                           sync=self.disk_sync) if self.disk else None
         device = DeviceConfig(budget_bytes=self.device_budget) if self.device_budget else None
         policy = PolicyConfig(self.policy, self.policy_alpha, self.policy_tune_alpha,
                               AdmissionConfig(self.policy_admission, self.policy_checkpoint_interval),
                               WriteConfig(host=self.policy_writes))
+        remote = RemoteTierConfig(RemoteConfig(
+            self.remote, namespace=self.remote_namespace or remote_namespace,
+            lookup_seconds=self.remote_lookup_seconds)) if self.remote else None
         return EngineConfig(host=HostConfig(budget_bytes=self.host_budget), disk=disk,
-                            device=device, policy=policy)
+                            device=device, policy=policy, remote=remote)
+
+    def kv_events_config(self) -> KvEventsConfig | None:
+        if not self.kv_events:
+            return None
+        return KvEventsConfig(self.kv_events, self.kv_events_replay, self.kv_events_pod)
 
     def check(self) -> "ServiceConfig":
         for f in fields(self):
@@ -107,6 +135,7 @@ class ServiceConfig:
             raise InvalidArgument(f"hash {self.hash!r} is unknown: use one of {sorted(HASHES)}")
         tls.check(self.tcp, self.tls_cert, self.tls_key, self.tls_client_ca, self.tcp_insecure)
         self._check_operations()
+        self.kv_events_config()
         return self
 
     def _check_operations(self) -> None:
@@ -169,8 +198,9 @@ def _overrides(values: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 
 # TIERCACHE_* variables that are not settings: the config file's path, fault injection
-# (tiercache.failpoints), and what workers' clients read
-_NOT_SETTINGS = {"TIERCACHE_CONFIG", "TIERCACHE_FAILPOINTS", "TIERCACHE_ADDRESS", "TIERCACHE_TOKEN"}
+# (tiercache.failpoints), the per-step trace (tiercache.trace), and what workers' clients read
+_NOT_SETTINGS = {"TIERCACHE_CONFIG", "TIERCACHE_FAILPOINTS", "TIERCACHE_ADDRESS", "TIERCACHE_TOKEN",
+                 "TIERCACHE_HANDOVER", "TIERCACHE_TRACE"}
 
 
 def load(path: str | None = None, environ: Mapping[str, str] = os.environ,

@@ -21,9 +21,11 @@ from prometheus_client.process_collector import ProcessCollector
 from tiercache.engine import Engine
 from tiercache.results import Tier
 from tiercache.metrics import BUCKETS, HopStats
+from tiercache.tiers.remote.store import Damage, Failure
 
 PREFIX = "tiercache_"
 TIERS = tuple(t.name.lower() for t in Tier)
+LOCAL_TIERS = tuple(t.name.lower() for t in Tier if t != Tier.REMOTE)  # those that evict
 # Seconds: a Match over a Unix socket takes ~100 us, a large Store or a disk-bound Load
 # seconds.
 CALL_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
@@ -99,6 +101,23 @@ METRICS = {m.name: m for m in (
            "moved aside (the disk tier started empty), else 0."),
     Metric("eviction_alpha", "gauge", "Weight of recency against saved FLOPs in FLOP-aware "
            "eviction (absent under LRU)."),
+    Metric("remote_lookups", "counter", "Entries a Match asked the remote tier about, beyond its "
+           "local hit, by outcome: hit (sound metadata) or miss.", ("outcome",)),
+    Metric("remote_fetches", "counter", "Entries a Load fetched from the remote tier into host "
+           "slots, by outcome: hit (whole and verified) or miss.", ("outcome",)),
+    Metric("remote_writes", "counter", "Entries written behind stores to the remote tier, by "
+           "outcome: stored, present (there already) or skipped (a failure, the budget, a full "
+           "queue, or evicted before the writer reached it).", ("outcome",)),
+    Metric("remote_errors", "counter", "Failed remote-tier node calls, by kind: connection, "
+           "node_down (skipped while it is down), timeout, moved, ask, oom, cluster_down, "
+           "other. Each is a miss or a skipped write, never a failed call.", ("kind",)),
+    Metric("remote_damaged", "counter", "Remote entries found but not served, by reason: meta, "
+           "mismatch, part_missing, part_size, checksum.", ("reason",)),
+    Metric("remote_seconds", "histogram", "Duration of one remote-tier call (all its node "
+           "pipelines), by operation: exists, get, put, delete.", ("operation",)),
+    Metric("kv_event_batches", "counter", "KV event batches published to routers."),
+    Metric("kv_events_dropped", "counter", "Tier changes dropped before publishing (the queue "
+           "was full): routers were told to start over (AllBlocksCleared)."),
     Metric("registered_workers", "gauge", "Workers registered now."),
     Metric("ipc_allocations", "gauge", "CUDA allocations of workers that the daemon holds open."),
 )}
@@ -111,7 +130,8 @@ _PLAIN = {"matches": "matches", "match_requested_pages": "requested_pages", "loa
           "promotion_waits": "promotion_waits", "eviction_regrets": "regrets",
           "checksum_failures": "checksum_failures", "collisions": "collisions",
           "foreign_entries": "foreign_entries", "disk_write_errors": "disk_write_errors",
-          "disk_moved_aside": "disk_moved_aside"}
+          "disk_moved_aside": "disk_moved_aside", "kv_event_batches": "kv_event_batches",
+          "kv_events_dropped": "kv_events_dropped"}
 # The counters match_hit_ratio divides.
 _HIT_RATIO = ("matched_pages", "requested_pages")
 # Labelled engine counters: metric -> {label values: counter}.
@@ -119,9 +139,15 @@ _LABELLED = {
     "matched_pages": {(t,): f"matched_pages_{t}" for t in TIERS},
     "matched_tokens": {(t,): f"matched_tokens_{t}" for t in TIERS},
     "matched_checkpoints": {(t,): f"matched_checkpoints_{t}" for t in TIERS},
-    "evictions": {**{(t, "capacity"): f"evicted_{t}" for t in TIERS},
-                  **{(t, "request"): f"evicted_{t}_by_request" for t in TIERS},
-                  **{(t, "damaged"): f"evicted_{t}_damaged" for t in TIERS}},
+    "evictions": {**{(t, "capacity"): f"evicted_{t}" for t in LOCAL_TIERS},
+                  **{(t, "request"): f"evicted_{t}_by_request" for t in LOCAL_TIERS},
+                  **{(t, "damaged"): f"evicted_{t}_damaged" for t in LOCAL_TIERS}},
+    "remote_lookups": {("hit",): "remote_lookup_hits", ("miss",): "remote_lookup_misses"},
+    "remote_fetches": {("hit",): "remote_get_hits", ("miss",): "remote_get_misses"},
+    "remote_writes": {("stored",): "remote_put_stored", ("present",): "remote_put_present",
+                      ("skipped",): "remote_writes_skipped"},
+    "remote_errors": {(f.value,): f"remote_errors_{f.value}" for f in Failure},
+    "remote_damaged": {(d.value,): f"remote_damaged_{d.value}" for d in Damage},
     "admissions": {("page", "stored"): "stored_pages", ("page", "no_room"): "skipped_pages",
                    ("checkpoint", "stored"): "stored_checkpoints",
                    ("checkpoint", "declined"): "declined_checkpoints",
@@ -167,6 +193,7 @@ class EngineCollector:
         yield self._value("match_hit_ratio", matched / asked if asked else 0.0)
         yield from self._tiers(stats.tiers)
         yield from self._traffic()
+        yield self._remote_latency()
         if stats.alpha is not None:
             yield self._value("eviction_alpha", stats.alpha)
         yield self._value("registered_workers", self.workers())
@@ -188,6 +215,13 @@ class EngineCollector:
             capacity.add_metric(name, tier.budget_bytes)
             entries.add_metric(name, tier.entries)
         yield from (used, capacity, entries)
+
+    def _remote_latency(self) -> Family:
+        family = _family("remote_seconds")
+        remote = self.engine.remote
+        for operation, (counts, _, seconds) in (remote.store.latency() if remote else {}).items():
+            _histogram(family, [operation], HopStats(0, sum(counts), seconds, counts))
+        return family
 
     def _traffic(self) -> Iterator[Family]:
         moved, seconds = _family("transfer_bytes"), _family("transfer_seconds")

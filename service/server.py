@@ -29,6 +29,8 @@ from service.auth import Authenticator, load_tenants
 from service.config import ServiceConfig
 from service.endpoints import Endpoints
 from service.errors import ErrorInterceptor
+from service.fleet import Fleet, names
+from service.kv_events import KvEventPublisher
 from service.gate import HEALTH_CALLS, CallGate, GateConfig
 from service.handover import Handover, handover_path
 from service.logs import redacted
@@ -38,6 +40,8 @@ from service.servicer import TiercacheServicer
 from service.workers import Limits, WorkerRegistry
 from tiercache import failpoints, tenancy
 from tiercache.engine import Engine
+from tiercache.events import EventLog
+from tiercache.remote import remote_namespace
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tiercache.service")
@@ -57,6 +61,7 @@ class Daemon:
     addresses: list[str]
     handover: Handover
     endpoints: Endpoints = field(default_factory=Endpoints)  # metrics, health-only listener
+    publisher: KvEventPublisher | None = None  # KV events for routers, if on
 
     def stop(self) -> None:
         self.health.enter_graceful_shutdown()  # every service NOT_SERVING, from now on
@@ -68,6 +73,8 @@ class Daemon:
         self.servicer.registry.remove_all()
         self.endpoints.stop_metrics()  # it reads the engine, which closes now
         self.engine.close(flush=self.config.flush_on_exit)
+        if self.publisher is not None:  # after the engine: its last changes go out too
+            self.publisher.stop()
         if os.path.exists(self.config.socket_path):
             os.unlink(self.config.socket_path)
 
@@ -99,15 +106,16 @@ def start(config: ServiceConfig) -> Daemon:
                          config.require_identity, config.hash)
     os.makedirs(config.data_dir, mode=0o700, exist_ok=True)
     tenancy.check_private(config.data_dir, "data directory")
-    secret = tenancy.load_secret(os.path.join(config.data_dir, "secret"))
+    secret = tenancy.load_secret(config.secret_path)
     _free_socket(config.socket_path)
     _free_socket(handover_path(config.socket_path))
-    engine = Engine.open(config.engine())
+    engine = Engine.open(config.engine(remote_namespace(secret)))
+    fleet, publisher = _fleet(config, engine)
     handover = Handover(handover_path(config.socket_path)).start()
     registry = WorkerRegistry(config.max_workers, engine.quiesce, secret,
                               config.max_workers_per_tenant,
                               Limits(min_entry_bytes=config.min_entry_bytes), handover)
-    servicer = TiercacheServicer(engine, registry, config.max_prompt_pages, auth)
+    servicer = TiercacheServicer(engine, registry, config.max_prompt_pages, auth, fleet)
     metrics, call_metrics = registry_for(engine, registry.__len__, registry.ipc_allocations)
     gate = CallGate(auth, GateConfig(config.max_concurrent_rpcs, config.max_calls_per_tenant,
                                      config.request_seconds))
@@ -135,13 +143,26 @@ def start(config: ServiceConfig) -> Daemon:
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    daemon = Daemon(config, engine, server, servicer, health_servicer, addresses, handover)
+    daemon = Daemon(config, engine, server, servicer, health_servicer, addresses, handover,
+                    publisher=publisher)
     try:
         daemon.endpoints = Endpoints.start(config, metrics, health_servicer)
     except BaseException:
         daemon.stop()
         raise
     return daemon
+
+
+def _fleet(config: ServiceConfig, engine: Engine) -> tuple[Fleet, KvEventPublisher | None]:
+    """What stores share beyond this node: KV events (started here) and the remote tier's
+    local-only tenants and models."""
+    events, publisher = None, None
+    if config.kv_events:
+        events = EventLog()
+        engine.attach_events(events)
+        publisher = KvEventPublisher(config.kv_events_config(), events).start()
+    return Fleet(events, config.kv_events_tenant, names(config.remote_local_tenants),
+                 names(config.remote_local_models)), publisher
 
 
 def _bind_tcp(server: grpc.Server, config: ServiceConfig) -> str:
@@ -182,7 +203,10 @@ def serve(config: ServiceConfig) -> int:
         signal.signal(sig, lambda *_: stop.set())
     daemon = start(config)
     _announce(daemon)
-    stop.wait()
+    # a signal another thread took runs its handler only when this thread next wakes: a
+    # wait without a timeout could miss a SIGTERM for good (seen after SIGSTOP/SIGCONT)
+    while not stop.wait(0.5):
+        pass
     log.info("stopping: health NOT_SERVING, %.0f s grace for calls in flight", config.grace_seconds)
     daemon.stop()
     log.info("stopped")

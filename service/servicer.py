@@ -12,7 +12,10 @@ import numpy as np
 import torch
 
 from service.auth import Authenticator
+from service.groups import GroupRegistry, describe_to_proto
+from service.fleet import Fleet
 from service.workers import Registration, WorkerRegistry
+from tiercache import trace
 from tiercache.engine import Engine
 from tiercache.errors import DeadlineExceeded, InvalidArgument
 from tiercache.hashing import KEY_BYTES
@@ -48,12 +51,14 @@ def _waiting(context: grpc.ServicerContext) -> bool:
 
 class TiercacheServicer(pb_grpc.TiercacheServicer):
     def __init__(self, engine: Engine, registry: WorkerRegistry, max_prompt_pages: int,
-                 auth: Authenticator | None = None) -> None:
+                 auth: Authenticator | None = None, fleet: Fleet | None = None) -> None:
         self.engine = engine
+        self.fleet = fleet or Fleet()  # the remote tier and KV events (service/fleet.py)
         self.registry = registry
         self.max_prompt_pages = max_prompt_pages
         self.auth = auth or Authenticator({})
         self.stopping = threading.Event()
+        self.groups = GroupRegistry(engine, registry)
 
     def _worker(self, worker_id: str, context: grpc.ServicerContext
                 ) -> AbstractContextManager[Registration]:
@@ -89,6 +94,12 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                  ) -> Iterator[pb.RegisterResponse]:
         identity = self.auth.identify(context)
         registration = self.registry.add(request, identity, self.auth.hash_of(identity.tenant))
+        if registration.group is not None:
+            try:
+                self.groups.join(registration)
+            except Exception:
+                self.registry.remove(registration.id)
+                raise
         # the stream's end, for whatever reason (worker gone, unregister, shutdown), unregisters
         if not context.add_callback(lambda: self.registry.remove(registration.id)):
             self.registry.remove(registration.id)  # the call ended already
@@ -110,44 +121,61 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
         keys = self._keys(request.keys, context)
         checks = self._checks(request.checks, keys)
+        if request.group:  # a caller without buffers (vLLM's scheduler) asks for a group
+            tenant = self.auth.identify(context).tenant
+            match = self.groups.match(tenant, request.group, keys, checks, request.prefetch)
+            return pb.MatchResponse(match=match_to_proto(match))
         with self._worker(request.worker_id, context) as worker:
-            match = self.engine.match(worker.layout, worker.engine_keys(keys),
-                                      prefetch=request.prefetch, checks=checks)
+            if worker.group is not None:  # a rank answers for its whole group
+                match = self.groups.match(worker.identity.tenant, worker.group.id, keys, checks,
+                                          request.prefetch)
+            else:
+                match = self.engine.match(worker.layout, worker.engine_keys(keys),
+                                          prefetch=request.prefetch, checks=checks)
         return pb.MatchResponse(match=match_to_proto(match))
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
-        keys = self._keys(request.keys, context)
-        checks = self._checks(request.checks, keys)
-        with self._worker(request.worker_id, context) as worker:
-            slot = request.slot if request.HasField("slot") else None
-            keys = worker.engine_keys(keys)
-            result = self.engine.load(worker.buffers, keys, np.asarray(request.kv_rows, np.int64), slot,
-                                      ready=_event(request.ready_event, worker),
-                                      # copies into CPU workers are synchronous anyway
-                                      asynchronous=request.asynchronous and
-                                      worker.buffers.device.type == "cuda", checks=checks)
-        return load_to_proto(result)
+        with trace.call("Load"):  # a breakdown, when TIERCACHE_TRACE asks for one
+            keys = self._keys(request.keys, context)
+            checks = self._checks(request.checks, keys)
+            with self._worker(request.worker_id, context) as worker:
+                slot = request.slot if request.HasField("slot") else None
+                keys = worker.engine_keys(keys)
+                result = self.engine.load(worker.buffers, keys, np.asarray(request.kv_rows, np.int64), slot,
+                                          ready=_event(request.ready_event, worker),
+                                          # copies into CPU workers are synchronous anyway
+                                          asynchronous=request.asynchronous and
+                                          worker.buffers.device.type == "cuda", checks=checks)
+            return load_to_proto(result)
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
-        keys = self._keys(request.keys, context)
-        checkpoints = {c.pages: c.slot for c in request.checkpoints}
-        if len(checkpoints) != len(request.checkpoints):
-            raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
-        checks = self._checks(request.checks, keys)
-        with self._worker(request.worker_id, context) as worker:
-            result = self.engine.store(worker.buffers, worker.engine_keys(keys),
-                                       np.asarray(request.kv_rows, np.int64), checkpoints,
-                                       ready=_event(request.ready_event, worker), checks=checks,
-                                       alive=lambda: _waiting(context), durable=request.durable,
-                                       timeout=context.time_remaining(),
-                                       first_page=request.first_page)
-        return store_to_proto(result)
+        with trace.call("Store"):  # a breakdown, when TIERCACHE_TRACE asks for one
+            keys = self._keys(request.keys, context)
+            checkpoints = {c.pages: c.slot for c in request.checkpoints}
+            if len(checkpoints) != len(request.checkpoints):
+                raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
+            checks = self._checks(request.checks, keys)
+            with self._worker(request.worker_id, context) as worker:
+                keys = worker.engine_keys(keys)
+                shared = self.fleet.before_store(worker, keys, request.event_tokens)
+                result = self.engine.store(worker.buffers, keys,
+                                           np.asarray(request.kv_rows, np.int64), checkpoints,
+                                           ready=_event(request.ready_event, worker), checks=checks,
+                                           alive=lambda: _waiting(context), durable=request.durable,
+                                           timeout=context.time_remaining(), remote=shared,
+                                           first_page=request.first_page)
+            return store_to_proto(result)
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
         keys = self._keys(request.keys, context)
         with self._worker(request.worker_id, context) as worker:
             evicted = self.engine.evict(worker.engine_keys(keys), tier_from_proto(request.tier))
         return pb.EvictResponse(evicted=evicted)
+
+    def DescribeGroup(self, request: pb.DescribeGroupRequest, context: grpc.ServicerContext
+                      ) -> pb.DescribeGroupResponse:
+        tenant = self.auth.identify(context).tenant  # groups are looked up in the caller's tenant
+        return describe_to_proto(self.groups.describe(tenant, request.group))
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         self.auth.identify(context)  # figures of every tenant together: callers must be known

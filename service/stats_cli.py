@@ -81,6 +81,12 @@ def render(address: str, stats: CacheStats, since: tuple[float, CacheStats] | No
               f"promoted {c.get('promoted', 0):,}  checksum failures {c.get('checksum_failures', 0):,}",
               "moved       " + "  ".join(f"{a}->{b} {size(c.get(f'bytes_{a}_to_{b}', 0))}"
                                          for a, b in HOPS if c.get(f"bytes_{a}_to_{b}", 0))]
+    if "remote_lookups" in c:  # a remote tier is configured
+        errors = sum(v for k, v in c.items() if k.startswith("remote_errors_"))
+        lines.append(f"remote      matched pages {c.get('matched_pages_remote', 0):,}  fetched "
+                     f"{c['remote_fetched']:,}  written {c['remote_written']:,}  skipped "
+                     f"{c['remote_writes_skipped']:,}  errors {errors:,}  damaged "
+                     f"{sum(v for k, v in c.items() if k.startswith('remote_damaged_')):,}")
     if since is not None:
         lines += ["", _rates(stats, *since)]
     return "\n".join(lines)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from service.auth import Identity
+from service.groups import Membership, member_keys, membership_of
 from tiercache import cuda_ipc, shm, tenancy
 from tiercache.buffers import WorkerBuffers
 from tiercache.errors import (InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
@@ -37,6 +38,7 @@ class Registration:
     identity: Identity = Identity("", "anyone")  # who registered: every call must be them
     handles: frozenset[bytes] = frozenset()  # the CUDA IPC handles its buffers came by
     mask: np.ndarray | None = None  # the namespace's key mask (tiercache.tenancy), if any
+    group: Membership | None = None  # the group it is a rank of (service.groups), if any
 
     @property
     def layout(self) -> Layout:
@@ -168,6 +170,9 @@ class WorkerRegistry:
     def __len__(self) -> int:
         return len(self._workers)
 
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._workers
+
     def ipc_allocations(self) -> int:
         """CUDA allocations of workers that the daemon holds open now."""
         with self._changed:
@@ -197,15 +202,19 @@ class WorkerRegistry:
         namespace = Namespace(request.model_id, layout.fingerprint, identity.tenant,
                               tuple(request.extra_keys), hash_name or request.hash or "xxh3_128")
         root = namespace.root()  # checks the namespace before any buffer is mapped
+        membership = membership_of(request)
         check_layout(layout, self.limits)
         self._check_room(identity.tenant)
         self._check_handles(request.buffers, identity)
         buffers, opened = map_buffers(layout, request.buffers, self.limits, self._tickets.redeem)
         mask = None if self._secret is None else tenancy.namespace_mask(self._secret, root)
+        if membership is not None:  # hashes from the group's root; its own mask keeps it apart
+            root, mask = member_keys(namespace, mask)
         registration = Registration(secrets.token_hex(12), namespace, root, buffers, opened,
-                                    identity=identity, mask=mask, handles=frozenset(
-                                        bytes(loc.cuda.handle) for loc in request.buffers
-                                        if loc.HasField("cuda")))
+                                    identity=identity, mask=mask, group=membership,
+                                    handles=frozenset(bytes(loc.cuda.handle)
+                                                      for loc in request.buffers
+                                                      if loc.HasField("cuda")))
         with self._changed:
             try:
                 self._check_room(identity.tenant)

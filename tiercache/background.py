@@ -100,9 +100,9 @@ class Mover:
         finally:
             self.books.deleted(entries)
 
-    def settle(self, displaced: Displaced) -> None:
+    def settle(self, displaced: Displaced) -> int:
         """Do what an eviction displaced: delete, write down, copy down; then let the
-        victims go (dropped, as a cache may, if their move failed)."""
+        victims go (books.complete_displaced). Returns how many left their tier."""
         self.delete(displaced.deletes)
         demoted = copied = False
         try:
@@ -112,7 +112,8 @@ class Mover:
                 copied = self._try(lambda: self.copy_down(displaced.down) or True,
                                    "copying evicted device entries down")
         finally:
-            self.books.complete_displaced(displaced, demoted, copied)
+            gone = self.books.complete_displaced(displaced, demoted, copied)
+        return gone
 
     @staticmethod
     def _try(move: Callable[[], bool], what: str) -> bool:
@@ -205,6 +206,7 @@ class Background:
         self.books, self.mover, self.writes, self._promote = books, mover, writes, promote
         self.runner = Runner(self.step, "tiercache-background")
         self._lock = threading.Lock()
+        self._error: BaseException | None = None  # a queued write that failed, for drain()
         self.stopped = False
         # rows to write to disk, oldest first, and markers a durable store waits on
         self._to_write: deque[np.ndarray | threading.Event] = deque()
@@ -223,7 +225,12 @@ class Background:
         self.runner.kick()
 
     def drain(self) -> None:
+        """Wait until the work asked for so far is done; raise what failed meanwhile."""
         self.runner.drain()
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def stop(self) -> None:
         """Finish the work asked for, end the thread, and wake durable stores waiting (they
@@ -264,6 +271,13 @@ class Background:
         written = False
         try:
             written = self.mover.write(batch)
+        except Exception as error:  # noqa: BLE001
+            if not queued:  # clean-ahead would pick the same rows again: end the round
+                raise
+            log.exception("writing %d queued entries to disk failed", len(batch.rows))
+            with self._lock:
+                self._error = error  # for drain(); the queue goes on with the next rows
+            return True
         finally:
             self.books.end_write(batch, written)
         return written

@@ -23,6 +23,7 @@ from tiercache.counters import Counters, EvictReason
 from tiercache.errors import FailedPrecondition
 from tiercache.hashing import PageKey, key_list
 from tiercache.index import Hit, Index
+from tiercache.joint import JointHit, Member, joint_hit
 from tiercache.keymap import KeyMap
 from tiercache.layout import Layout
 from tiercache.metrics import byte_counters
@@ -85,6 +86,59 @@ class Books:
             if pin and hit.match.pages:
                 self.index.pin(hit.rows)
             return hit
+
+    def match_group(self, members: list[Member], page_tokens: int,
+                    checks: np.ndarray | None) -> JointHit:
+        """The longest prefix every member of a group can load, its entries marked used."""
+        with self.lock:
+            self.check_open()
+            self.index.tick()
+            hit = joint_hit(self.index, members, page_tokens, checks)
+            self.index.touch(hit.rows)
+            return hit
+
+    def held(self, keys: np.ndarray, page_bytes: int, checkpoint_bytes: int,
+             checks: np.ndarray | None) -> tuple[np.ndarray, ...]:
+        with self.lock:
+            return self.index.held(keys, page_bytes, checkpoint_bytes, checks)
+
+    def adopt(self, kind: Kind, keys: np.ndarray, depths: np.ndarray, nbytes: int,
+              slots: np.ndarray, filled: np.ndarray, checks: np.ndarray) -> np.ndarray:
+        """Publish entries brought into host `slots` from elsewhere (those `filled`; the
+        others' slots, and those of entries the host holds by now, are freed), pinned;
+        returns their rows."""
+        with self.lock:
+            rows = self.index.rows_of(kind, keys)
+            there = (rows >= 0) & self.index.in_tier(np.maximum(rows, 0), Tier.HOST)
+            self.host.free(nbytes, slots[~filled].tolist() + slots[filled][there].tolist())
+            keep = ~there
+            if not keep.any():
+                return np.empty(0, np.int64)
+            published = self.index.publish(kind, keys[keep], depths[keep], nbytes, Tier.HOST,
+                                           slots[filled][keep], checks=checks[keep])
+            self.index.pin(published)
+            return published
+
+    def pin_in_host(self, kind: Kind, keys: np.ndarray) -> tuple[np.ndarray, list]:
+        """Pin the entries under `keys` that the host holds; their rows, and for each its
+        key, depth, host bytes (a view, valid while pinned) and check."""
+        with self.lock:
+            rows = self.index.rows_of(kind, keys)
+            rows = rows[rows >= 0]
+            rows = rows[self.index.in_tier(rows, Tier.HOST)]
+            self.index.pin(rows)
+            index = self.index
+            held = [(key, depth, self.host.pool(size).view(slot), check) for key, depth, size, slot, check
+                    in zip(key_list(index.keys(rows)), index.column("depth", rows).tolist(),
+                           index.column("nbytes", rows).tolist(), index.slots(rows, Tier.HOST).tolist(),
+                           index.column("check", rows).tolist())]
+            return rows, held
+
+    def observe(self, observer) -> None:
+        """Tell `observer` (entered, kinds, tier, keys) of every entry entering or leaving
+        a tier, under the lock (KV events, which only append)."""
+        with self.lock:
+            self.index.observer = observer
 
     def rows_of(self, kind: Kind, keys: np.ndarray) -> np.ndarray:
         with self.lock:
@@ -270,10 +324,10 @@ class Books:
             self.index.add_tier(rows, tier, slots)
 
     # -- eviction -------------------------------------------------------------------------
-    def complete_displaced(self, displaced: Displaced, demoted: bool, copied: bool) -> None:
+    def complete_displaced(self, displaced: Displaced, demoted: bool, copied: bool) -> int:
         """After the displaced work was done (or failed): see Room.complete."""
         with self.lock:
-            self.room.complete(displaced, demoted, copied)
+            return self.room.complete(displaced, demoted, copied)
 
     def deleted(self, entries: list[tuple[Kind, PageKey]]) -> None:
         """LMDB records of evicted entries are gone: their keys may be written again."""

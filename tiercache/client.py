@@ -15,7 +15,9 @@ Over TCP, pass `tls=Tls(...)` (and a client certificate for mTLS); where the dae
 tokens to tenants, pass `token=`: it goes with every call as `authorization: Bearer`.
 
 GPU workers pass their own CUDA tensors to `register(..., buffers=...)`; the daemon maps
-them by CUDA IPC. Their copies are ordered with the worker's current CUDA stream in both
+them by CUDA IPC. CPU workers may do the same with views into a `shared_region` of theirs.
+The ranks of a tensor-parallel group register with `group=GroupMember(...)` and match as
+one (tiercache.group). Their copies are ordered with the worker's current CUDA stream in both
 directions, without host synchronisation: the daemon starts after an event recorded on
 that stream, and a load returns at once with the stream already waiting on the event
 that marks the bytes in place (pass `synchronous=True` to wait on the host instead).
@@ -24,7 +26,7 @@ that marks the bytes in place (pass `synchronous=True` to wait on the host inste
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 import grpc
@@ -33,9 +35,12 @@ import torch
 
 from tiercache.buffers import WorkerBuffers
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
-from tiercache.hashing import Keys, Namespace, PageKey, key_array, page_chain, page_keys
+from tiercache.group import Group, GroupMember
+from tiercache.hashing import (Chain, Keys, Namespace, PageKey, key_array, page_chain, page_keys,
+                               token_array)
 from tiercache.results import LoadResult, Match, StoreResult, Tier, TierStats
 from tiercache.layout import Layout
+from tiercache.regions import SharedRegion, region_locations
 from tiercache.shm import SharedBuffers
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
@@ -82,6 +87,7 @@ class Request:
 
     keys: bytes
     checks: bytes = b""
+    tokens: bytes = b""  # stores that publish their tokens in KV events only
     first_page: int = 0  # stores: the keys are pages first_page+1.. of the prompt
 
 
@@ -91,7 +97,7 @@ class Backend(Protocol):
     def match(self, prompt: Request, prefetch: bool) -> Match: ...
     def load(self, prompt: Request, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult: ...
     def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
-              durable: bool) -> StoreResult: ...
+              durable: bool, ready: Any = None) -> StoreResult: ...
     def evict(self, prompt: Request, tier: Tier | None) -> int: ...
     def connected(self) -> bool: ...
     def close(self) -> None: ...
@@ -113,46 +119,62 @@ class Worker:
         """The page keys of a prompt in this worker's namespace (full pages only)."""
         return page_keys(tokens, self.root, self.layout.page_tokens, self.hash_name)
 
-    def _packed(self, tokens: Any, keys: Keys | None) -> Request:
+    def _packed(self, tokens: Any, keys: Keys | Chain | None) -> Request:
         if (tokens is None) == (keys is None):
             raise InvalidArgument("give either tokens or keys")
+        if isinstance(keys, Chain):  # keys hashed elsewhere, with their checks
+            return Request(key_array(keys.keys).tobytes(), keys.checks.astype("<u8").tobytes())
         if keys is not None:
             return Request(key_array(keys).tobytes())
         chain = page_chain(tokens, self.root, self.layout.page_tokens, self.hash_name)
         return Request(key_array(chain.keys).tobytes(), chain.checks.astype("<u8").tobytes())
 
-    def match(self, tokens: Any = None, *, keys: Keys | None = None, prefetch: bool = False) -> Match:
+    def match(self, tokens: Any = None, *, keys: Keys | Chain | None = None,
+              prefetch: bool = False) -> Match:
         return self._backend.match(self._packed(tokens, keys), prefetch)
 
-    def load(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
+    def load(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
              slot: int | None = None, synchronous: bool = False) -> LoadResult:
         """Copy the longest hybrid match (at most len(kv_rows) pages) into kv_rows and slot.
         On a GPU the current stream is made to wait for the copies (see the module doc)."""
         return self._backend.load(self._packed(tokens, keys), list(kv_rows), slot, synchronous)
 
-    def store(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
+    def store(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
               checkpoints: Mapping[int, int] | None = None, durable: bool = False,
-              first_page: int = 0) -> StoreResult:
+              ready: Any = None, publish_tokens: bool = False, first_page: int = 0) -> StoreResult:
         """Store the prompt's pages from kv_rows and the checkpoints offered, {token position:
         state slot}, each position a multiple of the page size. With `durable`, return only
-        once they are committed to disk (they survive the daemon crashing).
+        once they are committed to disk (they survive the daemon crashing). GPU workers
+        may pass `ready`, an interprocess CUDA event recorded after the rows were written
+        (a store from another thread); by default one is recorded on the current stream.
+        With `publish_tokens`, the daemon's KV events carry the prompt's tokens (routers
+        such as llm-d's indexer hash tokens themselves; without them, events carry keys).
 
-        `first_page`: after a hit of that many pages (ending at a checkpoint), send only what
-        the store adds: `keys` and `kv_rows` for pages first_page+1.. (given `tokens`, all of
-        the prompt's tokens, the keys are cut here); positions still count from the start."""
+        `first_page`: the store adds to a hit and sends only pages first_page+1.. (`keys`
+        and `kv_rows` for those; given `tokens`, all of the prompt's, the keys are cut
+        here); checkpoint positions still count from the start. Start at the hit's last
+        page (hit - 1): that entry is cached already, and it anchors the new ones (their
+        parent in KV events, the checkpoint their worth is counted from)."""
         page = self.layout.page_tokens
         bad = [p for p in (checkpoints or {}) if p <= 0 or p % page]
         if bad:
             raise InvalidArgument(f"checkpoint position {bad[0]} is not a positive multiple of the "
                                   f"page size {page}: states are kept at page boundaries only")
         pages = {p // page: slot for p, slot in (checkpoints or {}).items()}
-        prompt = self._packed(tokens, keys)
+        request = self._packed(tokens, keys)
+        if publish_tokens:
+            if tokens is None:
+                raise InvalidArgument("publish_tokens needs the tokens: store by tokens, not keys")
+            whole = token_array(tokens)[:len(request.keys) // 16 * page]
+            request = replace(request, tokens=whole.tobytes())
         if first_page:
             cut = first_page if tokens is not None else 0
-            prompt = Request(prompt.keys[16 * cut:], prompt.checks[8 * cut:], first_page)
-        return self._backend.store(prompt, list(kv_rows), pages, durable)
+            request = replace(request, keys=request.keys[16 * cut:], checks=request.checks[8 * cut:],
+                              tokens=request.tokens[4 * page * cut:], first_page=first_page)
+        return self._backend.store(request, list(kv_rows), pages, durable, ready)
 
-    def evict(self, tokens: Any = None, *, keys: Keys | None = None, tier: Tier | None = None) -> int:
+    def evict(self, tokens: Any = None, *, keys: Keys | Chain | None = None,
+              tier: Tier | None = None) -> int:
         return self._backend.evict(self._packed(tokens, keys), tier)
 
     @property
@@ -216,10 +238,11 @@ class _Remote:
         return result
 
     def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
-              durable: bool) -> StoreResult:
-        ready = _ready_event(self._device)
+              durable: bool, ready: Any = None) -> StoreResult:
+        ready = ready if ready is not None else _ready_event(self._device)
         request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                  kv_rows=rows, durable=durable, first_page=prompt.first_page,
+                                  kv_rows=rows, durable=durable, event_tokens=prompt.tokens,
+                                  first_page=prompt.first_page,
                                   ready_event=ready.ipc_handle() if ready else b"",
                                   checkpoints=[pb.Checkpoint(pages=n, slot=s)
                                                for n, s in sorted(checkpoints.items())])
@@ -252,26 +275,37 @@ class Client:
         token = token if token is not None else os.environ.get("TIERCACHE_TOKEN", "")
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   # a restarted daemon is found within a second, not gRPC's two minutes
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
         if tls is not None and tls.server_name:
             options.append(("grpc.ssl_target_name_override", tls.server_name))
         self._channel = (grpc.secure_channel(self.address, tls.credentials(), options)
                          if tls is not None else grpc.insecure_channel(self.address, options))
         self._stub = pb_grpc.TiercacheStub(self._channel)
+        self._regions: list[SharedRegion] = []
+
+    def shared_region(self, nbytes: int) -> torch.Tensor:
+        """A zeroed uint8 CPU tensor in shared memory, kept until `close`: CPU buffers of
+        several registrations that must overlap are views into one region."""
+        region = SharedRegion(nbytes)
+        self._regions.append(region)
+        return region.tensor
 
     def register(self, model_id: str, layout: Layout, extra_keys: Sequence[str] = (),
-                 hash_name: str = "xxh3_128",
-                 buffers: Mapping[str, torch.Tensor] | None = None) -> Worker:
+                 hash_name: str = "xxh3_128", buffers: Mapping[str, torch.Tensor] | None = None,
+                 group: GroupMember | None = None) -> Worker:
         """Register a worker. Without `buffers`, the layout's buffers are allocated in
-        shared memory (worker.paged / worker.slots); GPU workers pass their CUDA tensors."""
+        shared memory (worker.paged / worker.slots); GPU workers pass their CUDA tensors,
+        CPU workers views into a `shared_region`. With `group`, this is one rank of it."""
         shared, device = None, None
-        if buffers is None:
-            if self.handover is None:
-                raise InvalidArgument("shared-memory buffers are handed over on the daemon's Unix "
-                                      "socket: connect to unix:PATH, or pass handover=PATH.fds")
+        if buffers is not None and all(t.device.type == "cpu" for t in buffers.values()):
+            tensors, locations = dict(buffers), region_locations(buffers, self._handover())
+        elif buffers is None:
             shared = SharedBuffers.create(layout)
             tensors = shared.tensors
-            ticket = shared.hand_over(self.handover)
+            ticket = shared.hand_over(self._handover())
             locations = [pb.BufferLocation(name=p.spec.name, nbytes=p.nbytes,
                                            shm=pb.SharedMemoryBuffer(ticket=ticket, offset=p.offset))
                          for p in shared.placements]
@@ -279,7 +313,8 @@ class Client:
             tensors, locations = dict(buffers), _cuda_locations(buffers)
             device = next(iter(tensors.values())).device
         request = pb.RegisterRequest(model_id=model_id, layout=layout_to_proto(layout),
-                                     extra_keys=extra_keys, hash=hash_name, buffers=locations)
+                                     extra_keys=extra_keys, hash=hash_name, buffers=locations,
+                                     group=group.to_proto() if group is not None else None)
         try:
             stream: Iterator[pb.RegisterResponse] = self._stub.Register(request,
                                                                       metadata=self._metadata)
@@ -294,6 +329,18 @@ class Client:
                           self._metadata)
         return Worker(backend, layout, PageKey(reply.namespace_root), reply.hash, tensors)
 
+    def _handover(self) -> str:
+        if self.handover is None:
+            raise InvalidArgument("shared-memory buffers are handed over on the daemon's Unix "
+                                  "socket: connect to unix:PATH, or pass handover=PATH.fds")
+        return self.handover
+
+    def group(self, group_id: str, timeout: float | None = None) -> Group:
+        """The group `group_id` as the daemon describes it now (NotFound before any rank
+        registered), for matching on behalf of all its ranks."""
+        return Group(self._stub, group_id, self.timeout if timeout is None else timeout,
+                     self._metadata)
+
     def stats(self) -> CacheStats:
         reply = _rpc(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout,
                                               metadata=self._metadata))
@@ -302,6 +349,9 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+        for region in self._regions:
+            region.close()
+        self._regions.clear()
 
 
 def _cuda_locations(buffers: Mapping[str, torch.Tensor]) -> list[pb.BufferLocation]:
@@ -341,10 +391,11 @@ class _Embedded:
         return result
 
     def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
-              durable: bool) -> StoreResult:
+              durable: bool, ready: Any = None) -> StoreResult:
         device = self._buffers.device if self._buffers.device.type == "cuda" else None
+        ready = ready if ready is not None else _ready_event(device)
         return self._engine.store(self._buffers, prompt.keys, rows, checkpoints,
-                                  ready=_ready_event(device), checks=_checks(prompt),
+                                  ready=ready, checks=_checks(prompt),
                                   durable=durable, first_page=prompt.first_page)
 
     def evict(self, prompt: Request, tier: Tier | None) -> int:

@@ -20,7 +20,7 @@ class EvictReason(enum.Enum):
 
 
 def _per_tier() -> dict[Tier, int]:
-    return dict.fromkeys(TIERS, 0)
+    return dict.fromkeys(Tier, 0)  # a match may also find pages in the remote tier
 
 
 @dataclass
@@ -57,8 +57,9 @@ class Counters:
         self.matched_pages += match.pages
         self.requested_pages += match.prompt_pages
         if match.tier_codes:  # one pass over the codes: prompts run to thousands of pages
-            found = np.bincount(np.frombuffer(match.tier_codes, np.uint8), minlength=8).tolist()
-            for tier in TIERS:
+            found = np.bincount(np.frombuffer(match.tier_codes, np.uint8),
+                                minlength=max(Tier) + 1).tolist()
+            for tier in Tier:
                 if found[int(tier)]:
                     self.matched_pages_in[tier] += found[int(tier)]
                     self.matched_tokens_in[tier] += found[int(tier)] * page_tokens

@@ -14,6 +14,7 @@ before anything else).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,17 +72,21 @@ class _DeviceArray:
 
 
 class Opened:
-    """One opened allocation; views of it are valid until close()."""
+    """One opened allocation; views of it are valid until close().
+
+    Several registrations may name one allocation (vLLM keeps every KV cache group in
+    one): each allocation is opened once per process and device, and closed when the last
+    registration that opened it closes it, whatever the driver makes of repeated opens."""
 
     def __init__(self, handle: bytes, device: int) -> None:
-        driver, runtime = _runtime()
-        ipc = runtime.cudaIpcMemHandle_t()
-        ipc.reserved = handle
-        with torch.cuda.device(device):
-            (self.address,) = _check(runtime.cudaIpcOpenMemHandle(
-                ipc, runtime.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle")
-            _, self.size = _check(driver.cuMemGetAddressRange(self.address), "cuMemGetAddressRange")
-        self.address, self.size, self.device = int(self.address), int(self.size), device
+        self._key = (bytes(handle), device)
+        with _OPEN_LOCK:
+            entry = _OPEN.get(self._key)
+            if entry is None:
+                entry = _OPEN[self._key] = [*_open(handle, device), 0]
+            entry[2] += 1
+        self.address, self.size, self.device = entry[0], entry[1], device
+        self._closed = False
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         if offset < 0 or offset + nbytes > self.size:
@@ -91,9 +96,34 @@ class Opened:
                                device=torch.device("cuda", self.device))
 
     def close(self) -> None:
+        with _OPEN_LOCK:
+            if self._closed:
+                return
+            self._closed = True
+            entry = _OPEN[self._key]
+            entry[2] -= 1
+            if entry[2]:
+                return
+            del _OPEN[self._key]
         _, runtime = _runtime()
         with torch.cuda.device(self.device):
             _check(runtime.cudaIpcCloseMemHandle(self.address), "cudaIpcCloseMemHandle")
+
+
+def _open(handle: bytes, device: int) -> tuple[int, int]:
+    """(address, size) of the allocation behind an IPC handle, opened in this process."""
+    driver, runtime = _runtime()
+    ipc = runtime.cudaIpcMemHandle_t()
+    ipc.reserved = handle
+    with torch.cuda.device(device):
+        (address,) = _check(runtime.cudaIpcOpenMemHandle(
+            ipc, runtime.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle")
+        _, size = _check(driver.cuMemGetAddressRange(address), "cuMemGetAddressRange")
+    return int(address), int(size)
+
+
+_OPEN: dict[tuple[bytes, int], list[int]] = {}  # (handle, device) -> [address, size, opens]
+_OPEN_LOCK = threading.Lock()
 
 
 def local_device(uuid: str) -> int:

@@ -18,22 +18,27 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from tiercache import trace
 from tiercache.background import Background, Mover
 from tiercache.books import Books
 from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import InvalidArgument
 from tiercache.hashing import Keys, distinct_keys, key_array
 from tiercache.index import Index
+from tiercache.joint import Member
 from tiercache.load import Group, Loads
 from tiercache.metrics import Traffic
 from tiercache.policy import PolicyConfig, make_policy
 from tiercache.promotions import Promotions
-from tiercache.results import EngineStats, Kind, LoadResult, Match, StoreResult, Tier
+from tiercache.events import Change, EventLog
+from tiercache.remote import Extension, RemoteTier, RemoteTierConfig
+from tiercache.results import EngineStats, Kind, LoadResult, Match, StopReason, StoreResult, Tier
 from tiercache.store import Stores, StoreJob, checks_of, page_rows
 from tiercache.tiers.arena import SlotArena
 from tiercache.tiers.device import DeviceConfig, device_arena
 from tiercache.tiers.disk import DiskConfig, DiskTier
 from tiercache.tiers.host import HostConfig, host_arena
+from tiercache.tiers.remote.adapters import open_store
 from tiercache.transfer import CpuTransfer, CudaTransfer, Transfer
 from tiercache.tuning import AlphaTuner
 
@@ -46,6 +51,7 @@ class EngineConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     copy_threads: int = 2
     evict_slack: float = 0.01  # an eviction frees at least this share of the tier's budget
+    remote: RemoteTierConfig | None = None  # a shared tier below the others (tiercache/remote.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, PolicyConfig):
@@ -68,6 +74,8 @@ class Engine:
         self.background = Background(self.books, self.mover, policy.writes, self.promotions.run_one)
         self.loads = Loads(self.books, self.mover, self.promotions, self.traffic)
         self.stores = Stores(self.books, self.mover, self.background, self.traffic, policy.admission)
+        self.remote: RemoteTier | None = None
+        self.events: EventLog | None = None  # KV events, once attached
 
     @property
     def index(self) -> Index:
@@ -90,6 +98,10 @@ class Engine:
         if disk is not None:
             engine._rebuild(disk)
         engine._start_background()
+        if config.remote is not None:
+            engine.remote = RemoteTier(config.remote, open_store(config.remote.store), engine.books,
+                                       engine.traffic)
+            engine.remote.start()
         return engine
 
     def _start_background(self) -> None:
@@ -114,6 +126,8 @@ class Engine:
         store, its entries are on disk when this returns; so are promotions a match started."""
         self.books.check_open()
         self.background.drain()
+        if self.remote is not None:  # and, with a remote tier, the stores written to it
+            self.remote.drain()
 
     def flush(self) -> int:
         """Write every host entry that is not on disk yet to disk (they stay in the host).
@@ -148,6 +162,8 @@ class Engine:
                     break
                 time.sleep(0.001)
         finally:
+            if self.remote is not None:  # its writer reads host slots: before they go
+                self.remote.close()
             self.background.stop()
             self.promotions.stop()
             for cuda in self._cuda.values():
@@ -186,7 +202,7 @@ class Engine:
               checkpoints: Mapping[int, int] | None = None, ready: Any = None, *,
               checks: np.ndarray | None = None, alive: Callable[[], bool] | None = None,
               durable: bool = False, timeout: float | None = None,
-              first_page: int = 0) -> StoreResult:
+              remote: bool = True, first_page: int = 0) -> StoreResult:
         """Store a prompt after prefill: its KV pages (keys[i] from rows[i]; none for a
         layout without paged buffers) and, of the checkpoints offered, {pages: state slot}
         (each the state after that many pages), those the admission policy keeps. The
@@ -204,10 +220,24 @@ class Engine:
         copied after that is dropped instead of published.
 
         `durable`: return only once every page of the chain and each checkpoint the result
-        names are committed to disk (within `timeout` seconds); raise if they cannot be."""
-        job = self.stores.job(buffers, keys, rows, checkpoints, self._transfer_for(buffers), ready,
-                              checks, alive, durable, first_page)
-        return self.stores.store(job, timeout)
+        names are committed to disk (within `timeout` seconds); raise if they cannot be.
+        `remote`: with a remote tier, write the entries there too, in the background
+        (False keeps them local: a tenant or model configured to stay local).
+
+        `first_page`: the keys are pages first_page+1.. of the prompt (a store that adds to
+        a hit sends only what it adds; see Worker.store); checkpoints still count pages from
+        the start of the prompt."""
+        with trace.span("prepare"):
+            job = self.stores.job(buffers, keys, rows, checkpoints, self._transfer_for(buffers), ready,
+                                  checks, alive, durable, first_page)
+        result = self.stores.store(job, timeout)
+        if remote and self.remote is not None:
+            if buffers.layout.needs_pages:
+                self.remote.write_soon(Kind.PAGE, job.chain)
+            if result.checkpoints:
+                self.remote.write_soon(Kind.CHECKPOINT,
+                                       job.chain[np.array(result.checkpoints) - first_page - 1])
+        return result
 
     def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],
                     ready: Any = None) -> StoreResult:
@@ -241,15 +271,36 @@ class Engine:
         to the host, so that the load that follows finds them there (a load of an entry
         still moving waits for it)."""
         chain = distinct_keys(keys)
+        checks = checks_of(checks, chain)
         self.loads.reap()
-        hit = self.books.match(layout, chain, checks_of(checks, chain))
-        self.books.count_match(hit.match, layout.page_tokens)
+        hit = self.books.match(layout, chain, checks)
         if prefetch and hit.match.pages:
-            started = self.promotions.start(hit.rows)
-            self.books.count("prefetches", started)
-            if started:
-                self.background.kick()
+            self._prefetch_in_background(hit.rows)
+        extension = self._remote_extension(layout, chain, checks, hit.match)
+        match = hit.match if extension is None else extension.match
+        self.books.count_match(match, layout.page_tokens)
+        return match
+
+    def match_group(self, members: Sequence[tuple[Any, Keys]], prefetch: bool = False, *,
+                    checks: np.ndarray | None = None) -> Match:
+        """The longest prefix that every member of a group can load (tiercache.joint):
+        each member's layout and its keys for the same prompt (same page size)."""
+        parts = [Member(distinct_keys(keys), layout.page_bytes, layout.checkpoint_bytes)
+                 for layout, keys in members]
+        self.loads.reap()
+        page_tokens = members[0][0].page_tokens
+        hit = self.books.match_group(parts, page_tokens, checks_of(checks, parts[0].keys))
+        self.books.count_match(hit.match, page_tokens)
+        if prefetch and hit.match.pages:
+            self._prefetch_in_background(hit.rows)
         return hit.match
+
+    def _prefetch_in_background(self, rows: np.ndarray) -> int:
+        started = self.promotions.start(rows)
+        self.books.count("prefetches", started)
+        if started:
+            self.background.kick()
+        return started
 
     def load(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
              slot: int | None = None, ready: Any = None, asynchronous: bool = False, *,
@@ -263,9 +314,23 @@ class Engine:
         `asynchronous`, at once with `LoadResult.done`: an interprocess event the worker's
         stream waits on; the entries stay pinned until it completes. With `checks`, only
         entries stored with the same checks hit (see `store`)."""
-        keys = distinct_keys(keys)
-        return self.loads.load(buffers, keys, rows, slot, self._transfer_for(buffers), ready,
-                               asynchronous, checks_of(checks, keys))
+        keys, layout = distinct_keys(keys), buffers.layout
+        checks = checks_of(checks, keys)
+        fetched = np.empty(0, np.int64)
+        if self.remote is not None:  # remote hits come into host slots first, pinned
+            limit = len(rows) if layout.needs_pages else len(keys)
+            part, part_checks = keys[:limit], None if checks is None else checks[:limit]
+            hit = self.books.match(layout, part, part_checks)
+            extension = self._remote_extension(layout, part, part_checks, hit.match)
+            if extension is not None:
+                fetched = self.remote.fetch(extension, part, layout)
+                self.background.stored(fetched)  # host entries now: on to disk as the policy says
+        try:
+            return self.loads.load(buffers, keys, rows, slot, self._transfer_for(buffers), ready,
+                                   asynchronous, checks)
+        finally:
+            if len(fetched):
+                self.books.unpin(fetched)
 
     def prefetch(self, layout: Any, keys: Keys, wait: bool = True) -> int:
         """Copy the disk-only entries of the hybrid match of `keys` into the host tier, so a
@@ -302,4 +367,29 @@ class Engine:
         return dropped
 
     def stats(self) -> EngineStats:
-        return self.books.stats(self.traffic.snapshot())
+        stats = self.books.stats(self.traffic.snapshot())
+        if self.remote is not None:
+            stats.counters.update(self.remote.stats())
+        if self.events is not None:
+            stats.counters.update(kv_event_batches=self.events.batches,
+                                  kv_events_dropped=self.events.dropped)
+        return stats
+
+    # -- the remote tier and KV events -------------------------------------------------------
+    def _remote_extension(self, layout: Any, chain: np.ndarray, checks: np.ndarray | None,
+                          hit: Match) -> Extension | None:
+        """What the remote tier adds beyond a local hit that stops short; None without a
+        remote tier or when it adds nothing (it answers within its lookup budget)."""
+        if self.remote is None or hit.stop is StopReason.END_OF_PROMPT:
+            return None
+        return self.remote.extend(layout, chain, checks, self.remote.local(layout, chain, checks, hit))
+
+    def attach_events(self, events: EventLog) -> None:
+        """Record every entry entering or leaving a tier (the remote one included) in
+        `events`, for KV event publishing."""
+        def observe(added: bool, kinds: np.ndarray, tier: Tier, keys: np.ndarray) -> None:
+            events.record_tier(Change.STORED if added else Change.REMOVED, kinds, tier, keys)
+        self.books.observe(observe)
+        self.events = events
+        if self.remote is not None:
+            self.remote.events = events

@@ -11,7 +11,7 @@ engine serialises calls under its lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -68,6 +68,9 @@ class Index:
         self.bytes = {t: 0 for t in TIERS}
         self.collisions = 0  # keys found whose entry's check did not match: misses
         self.foreign = 0  # keys found whose entry has another size (another layout): misses
+        # told (entered: bool, kinds, tier, keys) of every entry entering or leaving a tier,
+        # under the engine lock: for KV events (tiercache.events), which only append
+        self.observer: Callable[[bool, np.ndarray, Tier, np.ndarray], None] | None = None
 
     def _grow(self, capacity: int) -> None:
         old = self._capacity
@@ -130,6 +133,25 @@ class Index:
             return rows
         self.foreign += int(foreign.sum())
         return np.where(unusable, -1, rows)
+
+    def held(self, keys: np.ndarray, page_bytes: int, checkpoint_bytes: int,
+             checks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per key: whether a usable page is held (every key, without paged buffers), its
+        best tier (0 if none), whether a usable checkpoint is held, its best tier. The rule
+        of `usable`, without counting (the match that came first counted its misses)."""
+        def usable(kind: Kind, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+            rows = self._maps[kind].lookup(keys)
+            at = np.maximum(rows, 0)
+            ok = (rows >= 0) & (self._cols["nbytes"][at] == nbytes)
+            if checks is not None:
+                stored = self._cols["check"][at]
+                ok &= (stored == 0) | (stored == checks)
+            return ok, np.where(ok, best_tiers(self._cols["tiers"][at]), 0)
+        n = len(keys)
+        pages = usable(Kind.PAGE, page_bytes) if page_bytes else (np.ones(n, bool), np.zeros(n, np.uint8))
+        marks = (usable(Kind.CHECKPOINT, checkpoint_bytes) if checkpoint_bytes
+                 else (np.zeros(n, bool), np.zeros(n, np.uint8)))
+        return pages[0], pages[1], marks[0], marks[1]
 
     def match(self, keys: np.ndarray, page_tokens: int, page_bytes: int, checkpoint_bytes: int,
               checks: np.ndarray | None = None) -> Hit:
@@ -222,12 +244,16 @@ class Index:
             cols["stamp"][rows] = stamp
         self.count[tier] += len(rows)
         self.bytes[tier] += int(cols["nbytes"][rows].sum())
+        if self.observer is not None and len(rows):
+            self.observer(True, cols["kind"][rows], tier, self.keys(rows))
 
     def unpublish(self, rows: np.ndarray, tier: Tier) -> None:
         """Remove `tier` from entries; an entry left in no tier leaves the index."""
         bit, cols = int(tier), self._cols
         assert np.all(cols["tiers"][rows] & bit), f"a row is not in {tier.name}"
         assert not np.any(cols["pins"][rows]), "a row is pinned by a load"
+        if self.observer is not None and len(rows):
+            self.observer(False, cols["kind"][rows], tier, self.keys(rows))
         cols["tiers"][rows] &= ~np.uint8(bit)
         self.count[tier] -= len(rows)
         self.bytes[tier] -= int(cols["nbytes"][rows].sum())

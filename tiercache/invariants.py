@@ -28,6 +28,8 @@ from tiercache.tiers.arena import SlotArena
 
 def violations(engine: Engine) -> list[str]:
     engine.background.drain()
+    if engine.remote is not None:  # its writer pins what it reads, like the disk writer
+        engine.remote.drain()
     engine.loads.reap()
     books = engine.books
     with books.lock:  # the checker reads the books whole, as no path may

@@ -24,8 +24,8 @@ import triton.language as tl
 
 ALIGN = 16
 CHUNK_WORDS = 16 * 1024  # int32 words (64 KiB) of a row one program moves; longer rows split
-BLOCK_WORDS = 2048
-NUM_WARPS = 8
+BLOCK_WORDS = 2048  # words one program moves per step, at most; the shortest row sets it
+WORDS_PER_THREAD = 4  # one 16-byte vector each
 
 
 @triton.jit
@@ -52,9 +52,10 @@ def _copy_rows(buffer_base, buffer_stride, buffer_width, buffer_offset, entry_ro
         for at in range(start, full, BLOCK):
             words = tl.max_contiguous(tl.multiple_of(at + tl.arange(0, BLOCK), BLOCK), BLOCK)
             tl.store(dst_ptr + words, tl.load(src_ptr + words))
-        for at in range(full, end, 4):  # what is left of the row, 16 bytes at a time
-            words = tl.max_contiguous(tl.multiple_of(at + tl.arange(0, 4), 4), 4)
-            tl.store(dst_ptr + words, tl.load(src_ptr + words))
+        if full < end:  # what is left of the row: one masked block, all threads at once
+            words = tl.max_contiguous(tl.multiple_of(full + tl.arange(0, BLOCK), 4), BLOCK)
+            left = words < end
+            tl.store(dst_ptr + words, tl.load(src_ptr + words, mask=left), mask=left)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class BufferTable:
     width: torch.Tensor  # int64 row bytes
     offset: torch.Tensor  # int64 offset of the row inside an entry
     max_width: int
+    min_width: int
 
     @classmethod
     def of(cls, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
@@ -78,7 +80,7 @@ class BufferTable:
         column = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
         return cls(column([b.data_ptr() for b in buffers]), column([b.stride(0) for b in buffers]),
                    column([b.shape[1] for b in buffers]), column(list(offsets)),
-                   max(b.shape[1] for b in buffers))
+                   max(b.shape[1] for b in buffers), min(b.shape[1] for b in buffers))
 
 
 def copy_rows(table: BufferTable, rows: torch.Tensor, slot_addresses: torch.Tensor,
@@ -92,7 +94,17 @@ def copy_rows(table: BufferTable, rows: torch.Tensor, slot_addresses: torch.Tens
     if not entries or not buffers:
         return
     grid = (entries * buffers, triton.cdiv(table.max_width // 4, CHUNK_WORDS))
+    block = block_words(table.min_width)
+    warps = max(1, min(8, block // (32 * WORDS_PER_THREAD)))
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         _copy_rows[grid](table.base, table.stride, table.width, table.offset, rows, slot_addresses,
-                         buffers, to_slots=to_slots, CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS,
-                         num_warps=NUM_WARPS)
+                         buffers, to_slots=to_slots, CHUNK=CHUNK_WORDS, BLOCK=block,
+                         num_warps=warps)
+
+
+def block_words(min_width: int) -> int:
+    """The step of the copy: the largest power of two of words that the shortest row
+    fills (a 4 KiB row is one step of all the program's threads, not 256 steps of one
+    16-byte vector), at most BLOCK_WORDS."""
+    words = max(4, min_width // 4)
+    return min(BLOCK_WORDS, 1 << (words.bit_length() - 1))

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiercache import failpoints
+from tiercache import failpoints, trace
 from tiercache.background import Mover
 from tiercache.books import Books
 from tiercache.buffers import WorkerBuffers, row_ids
@@ -104,12 +104,15 @@ class Loads:
         damaged = 0
         for _ in range(_ATTEMPTS):
             self.reap()
-            hit = self.books.match(layout, keys[:limit], None if checks is None else checks[:limit],
-                                   pin=True)
+            with trace.span("match"):
+                hit = self.books.match(layout, keys[:limit], None if checks is None else checks[:limit],
+                                       pin=True)
             if hit.match.pages == 0:
                 return LoadResult(hit.match, {}, damaged)
             transfer.wait_for(ready, "load")
-            jobs: list[Job] = [(Group.pages(buffers, transfer), hit.page_rows, dst[:hit.match.pages])]
+            jobs: list[Job] = []  # a layout without paged buffers loads its checkpoint only
+            if layout.needs_pages:
+                jobs.append((Group.pages(buffers, transfer), hit.page_rows, dst[:hit.match.pages]))
             if hit.checkpoint_row is not None:
                 jobs.append((Group.checkpoints(buffers, transfer), np.array([hit.checkpoint_row]),
                              dst_slot))
@@ -141,7 +144,8 @@ class Loads:
             transfer.synchronize()  # nothing may still read entries we are about to unpin
             raise
         finally:
-            self._settle(done, pinned, asynchronous, complete)
+            with trace.span("settle"):
+                self._settle(done, pinned, asynchronous, complete)
         if not asynchronous:
             done.event = None
         return done
@@ -153,8 +157,9 @@ class Loads:
         for a GPU). Returns (parts, entries per tier they come from), or None when a disk
         entry turned out damaged."""
         nbytes = group.nbytes
-        found = self.promotions.locate(entry_rows, nbytes,
-                                       group.transfer is self.mover.device_transfer)
+        with trace.span("locate"):
+            found = self.promotions.locate(entry_rows, nbytes,
+                                           group.transfer is self.mover.device_transfer)
         if found.move is not None:
             done.moves.append((found, nbytes))
         promo, from_disk = found.promo, found.from_disk
@@ -191,7 +196,8 @@ class Loads:
         came from; returns the seconds the call took."""
         parts, counts = staged
         start = time.perf_counter()
-        transfer.scatter(parts, group.buffers, group.offsets, dst)
+        with trace.span("copy"):
+            transfer.scatter(parts, group.buffers, group.offsets, dst)
         for tier, count in counts.items():
             if count:
                 done.bytes_from[tier] = done.bytes_from.get(tier, 0) + count * group.nbytes
@@ -202,9 +208,10 @@ class Loads:
         done, and count the bytes by hop: device entries reach the worker from the device,
         the rest from host memory (a host slot, or staging for a disk entry)."""
         start = time.perf_counter()
-        done.event = transfer.fence("load", interprocess=asynchronous)
-        if not asynchronous:
-            done.event.synchronize()
+        with trace.span("fence"):
+            done.event = transfer.fence("load", interprocess=asynchronous)
+            if not asynchronous:
+                done.event.synchronize()
         seconds = None if asynchronous else copying + time.perf_counter() - start
         from_device = done.bytes_from.get(Tier.DEVICE, 0)
         from_host = sum(done.bytes_from.values()) - from_device

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 # Where bytes can be: the worker's own buffers and the three tiers, nearest first.
-PLACES = ("worker", "device", "host", "disk")
+PLACES = ("worker", "device", "host", "disk", "remote")
 # Every hop a copy makes. A load from disk is two hops (disk -> host, host -> worker);
-# device hops read zero until the engine has a device tier.
+# device hops read zero until the engine has a device tier, remote hops without a
+# remote tier. Remote entries land in host slots; disk entries go up from a disk read.
 HOPS = (("worker", "device"), ("device", "worker"), ("worker", "host"), ("host", "worker"),
-        ("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"))
+        ("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"),
+        ("host", "remote"), ("disk", "remote"), ("remote", "host"))
 # Upper bounds of the copy-time buckets, seconds: 10 us (a few pages from host memory)
 # to 10 s (a large batch to a slow disk).
 BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,

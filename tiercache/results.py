@@ -13,6 +13,7 @@ class Tier(enum.IntFlag):
     DEVICE = 1
     HOST = 2
     DISK = 4
+    REMOTE = 8  # the shared remote tier: in match results only, never in the index
 
 
 TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)  # best first
@@ -28,6 +29,7 @@ class StopReason(enum.Enum):
     END_OF_PROMPT = "end_of_prompt"  # every full page of the prompt hit
     MISSING_PAGE = "missing_page"  # the next KV page is in no tier
     NO_CHECKPOINT = "no_checkpoint"  # KV pages go on, but no checkpoint further on
+    GROUP_INCOMPLETE = "group_incomplete"  # a rank of the group is missing: no hit at all
 
 
 @dataclass(frozen=True)

@@ -209,16 +209,24 @@ class Room:
                 self.host.free(size, slots.tolist())
         return done
 
-    def complete(self, displaced: Displaced, demoted: bool, copied: bool) -> None:
-        """After the displaced work was done (or failed: the victims are dropped all the
-        same, as a cache may): publish what reached the lower tier, let the victims go
-        (those a load pinned meanwhile stay)."""
+    def complete(self, displaced: Displaced, demoted: bool, copied: bool) -> int:
+        """After the displaced work was done: publish what reached the lower tier and let
+        those victims go. Host victims whose write failed are dropped all the same, as a
+        cache may; device victims that found no host room stay (nothing on the device
+        is lost to make room). Those a load pinned meanwhile stay too. Returns how many
+        left their tier."""
+        gone = 0
         if displaced.demote is not None:
             rows = displaced.demote.rows
             self.counters.demoted += self.end_write(displaced.demote, demoted)
-            self.remove(rows[self.index.column("pins", rows) == 0], Tier.HOST, displaced)
+            rows = rows[self.index.column("pins", rows) == 0]
+            self.remove(rows, Tier.HOST, displaced)
+            gone += len(rows)
         if displaced.down is not None:
             rows = displaced.down.rows
             self.counters.copied_down += self.end_copy_down(displaced.down, copied)
-            self.remove(rows[(self.index.column("pins", rows) == 0)
-                             & self.index.in_tier(rows, Tier.DEVICE)], Tier.DEVICE, displaced)
+            rows = rows[(self.index.column("pins", rows) == 0) & self.index.in_tier(rows, Tier.DEVICE)
+                        & self.index.in_tier(rows, Tier.HOST)]
+            self.remove(rows, Tier.DEVICE, displaced)
+            gone += len(rows)
+        return gone

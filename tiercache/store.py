@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from tiercache import failpoints
+from tiercache import failpoints, trace
 from tiercache.admission import admit, entry_values
 from tiercache.background import Background, Mover
 from tiercache.books import Books
@@ -45,7 +45,7 @@ class StoreJob:
     checks: np.ndarray | None = None  # one per key (hashing.page_chain)
     alive: Alive | None = None  # whether the caller still waits (its rows are still ours)
     pins: list[np.ndarray] | None = None  # a durable store pins what it publishes or finds
-    first: int = 0  # the chain is pages first+1..: the caller's hit, with a checkpoint, before it
+    first: int = 0  # the chain is pages first+1.. of the prompt
 
     def again(self, depths: np.ndarray) -> "StoreJob":
         """This store once more, for the checkpoints at `depths` only (pages all again)."""
@@ -118,9 +118,9 @@ class Stores:
         layout, depths = job.buffers.layout, np.array(sorted(job.slots), np.int64)
         first, local = job.first, np.array(sorted(job.slots), np.int64) - job.first - 1
         stamp, found = self.books.stamp(job.chain, layout.needs_checkpoint)
-        # a chain sent from `first` on starts after the caller's hit, which ends at a checkpoint
+        # worth counts from the checkpoints on the chain sent: a store that adds to a hit
+        # starts at the hit's last page (Worker.store), whose checkpoint is found here
         ends = np.union1d(np.flatnonzero(found >= 0) + 1 + first, depths)
-        ends = np.union1d([first], ends) if first else ends
         page_values, end_values = entry_values(layout, first + len(job.chain), ends)
         page_values = page_values[first:]
         result = StoreResult(0, 0, 0)
@@ -147,29 +147,31 @@ class Stores:
         host. Returns the result and which keys are cached now."""
         group.transfer.wait_for(job.ready, "store")
         tier = Tier.DEVICE if group.transfer is self.mover.device_transfer else Tier.HOST
-        claim = self.books.claim(group.kind, keys, group.nbytes, values, stamp, checks, job.pins)
+        with trace.span("claim"):
+            claim = self.books.claim(group.kind, keys, group.nbytes, values, stamp, checks, job.pins)
         todo, stored = claim.todo, 0
         try:
             while stored < len(todo):  # in batches: each one may push the last down a tier
-                slots, displaced = self.books.reserve(group.nbytes, len(todo) - stored, tier)
-                if displaced:  # room that an eviction must move first
-                    self.mover.settle(displaced)
-                    if not slots:
-                        continue
-                if not slots and tier == Tier.DEVICE:  # too small, or pinned by loads: the host
-                    tier = Tier.HOST  # takes the rest
+                with trace.span("reserve"):
+                    slots, displaced = self.books.reserve(group.nbytes, len(todo) - stored, tier)
+                # room that an eviction must move first: move it, and ask again while that frees some
+                if displaced and self.mover.settle(displaced) and not slots:
+                    continue
+                if not slots and tier == Tier.DEVICE:  # too small, pinned by loads, or its
+                    tier = Tier.HOST  # victims found no room below: the host takes the rest
                     continue
                 if not slots:
                     break
                 batch = todo[stored:stored + len(slots)]  # shallow pages first
                 self._copy(job, group, src[batch], slots, tier)
-                rows = self.books.publish(group.kind, keys[batch], depths[batch], group.nbytes,
-                                          tier, slots, stamp, values[batch],
-                                          None if checks is None else checks[batch],
-                                          pin=job.pins is not None)
-                if job.pins is not None:
-                    job.pins.append(rows)
-                (self.background.stored_on_device if tier == Tier.DEVICE else self.background.stored)(rows)
+                with trace.span("publish"):
+                    rows = self.books.publish(group.kind, keys[batch], depths[batch], group.nbytes,
+                                              tier, slots, stamp, values[batch],
+                                              None if checks is None else checks[batch],
+                                              pin=job.pins is not None)
+                    if job.pins is not None:
+                        job.pins.append(rows)
+                    (self.background.stored_on_device if tier == Tier.DEVICE else self.background.stored)(rows)
                 stored += len(batch)
         finally:
             self.books.unclaim(group.kind, claim.keys, stored, len(todo) - stored)
@@ -192,9 +194,11 @@ class Stores:
         try:
             failpoints.hit("store.before_gather")
             with self.traffic.timed("worker", tier.name.lower(), len(src) * group.nbytes):
-                group.transfer.gather(group.buffers, group.offsets, src,
-                                      list(arena.pool(group.nbytes).parts(np.asarray(slots, np.int64))))
-                group.transfer.fence("store").synchronize()  # this batch only, not the device
+                with trace.span("copy"):
+                    group.transfer.gather(group.buffers, group.offsets, src,
+                                          list(arena.pool(group.nbytes).parts(np.asarray(slots, np.int64))))
+                with trace.span("fence"):
+                    group.transfer.fence("store").synchronize()  # this batch only, not the device
             failpoints.hit("store.before_publish")
             if job.alive is not None and not job.alive():
                 raise DeadlineExceeded("the call ended while its rows were being copied: "

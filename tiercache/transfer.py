@@ -15,6 +15,7 @@ worker, by where its buffers live:
 
 from __future__ import annotations
 
+import ctypes
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol, Sequence
 
@@ -33,6 +34,7 @@ class Transfer(Protocol):
                parts: Sequence[SlabPart]) -> None: ...
     def scatter(self, parts: Sequence[SlabPart], buffers: Sequence[torch.Tensor],
                 offsets: Sequence[int], rows: np.ndarray) -> None: ...
+    def copy_entries(self, parts: Sequence[SlabPart], addresses: np.ndarray) -> None: ...
     def wait_for(self, event: Any, direction: str) -> None: ...
     def fence(self, direction: str, interprocess: bool = False) -> Any: ...
     def synchronize(self) -> None: ...
@@ -103,6 +105,15 @@ class CpuTransfer:
             # numpy scatters without the GIL: a few threads share the buffers
             return lambda: buffer.numpy().__setitem__(rows, slab[slots, at:at + buffer.shape[1]])
         self._each([copy(b, at) for b, at in zip(buffers, offsets)])
+
+    def copy_entries(self, parts: Sequence[SlabPart], addresses: np.ndarray) -> None:
+        """Copy whole entries from arena slots (`parts`) to the slots at `addresses`, as
+        CudaTransfer.copy_entries does (an arena in CPU memory serves as a device tier in
+        tests of the tiers' logic)."""
+        for part in parts:
+            width = part.slab.shape[1]
+            for local, at in zip(part.local.tolist(), addresses[part.positions].tolist()):
+                ctypes.memmove(at, part.slab[local].data_ptr(), width)
 
     def wait_for(self, event: object, direction: str) -> None:
         """Copies here are synchronous: there is nothing to wait for."""

@@ -51,7 +51,8 @@ def error_of(error: grpc.RpcError) -> TiercacheError:
 
 
 _STOPS = {StopReason.END_OF_PROMPT: pb.END_OF_PROMPT, StopReason.MISSING_PAGE: pb.MISSING_PAGE,
-          StopReason.NO_CHECKPOINT: pb.NO_CHECKPOINT}
+          StopReason.NO_CHECKPOINT: pb.NO_CHECKPOINT,
+          StopReason.GROUP_INCOMPLETE: pb.GROUP_INCOMPLETE}
 _STOPS_BACK = {v: k for k, v in _STOPS.items()}
 
 
@@ -72,10 +73,12 @@ def layout_from_proto(message: pb.Layout) -> Layout:
                   int(message.tp_size) or 1)
 
 
-def tier_from_proto(value: int) -> Tier | None:
+def tier_from_proto(value: int, remote: bool = False) -> Tier | None:
+    """A local tier (an Evict names one), or with `remote`, the remote one too (a Match
+    reports it)."""
     if value == pb.TIER_UNSPECIFIED:
         return None
-    if value not in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+    if value not in (Tier.DEVICE, Tier.HOST, Tier.DISK, *((Tier.REMOTE,) if remote else ())):
         raise InvalidArgument(f"tier {value} is not one of DEVICE (1), HOST (2), DISK (4)")
     return Tier(value)
 
@@ -90,7 +93,7 @@ def match_to_proto(match: Match) -> pb.MatchResult:
 def match_from_proto(message: pb.MatchResult) -> Match:
     return Match(pages=message.pages, tokens=message.tokens, prompt_pages=message.prompt_pages,
                  tier_codes=bytes(message.page_tiers),
-                 checkpoint_tier=tier_from_proto(message.checkpoint_tier),
+                 checkpoint_tier=tier_from_proto(message.checkpoint_tier, remote=True),
                  stop=_STOPS_BACK[message.stop], kv_pages=message.kv_pages)
 
 

@@ -199,3 +199,35 @@ def test_promtool_parses_every_dashboard_query(tmp_path):
     checked = subprocess.run(["promtool", "check", "rules", str(tmp_path / "rules.yml")],
                              capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_two_node_compose_file_shares_one_cluster_and_one_secret():
+    compose = yaml.safe_load((DEPLOY / "compose" / "two-nodes.yaml").read_text())
+    services = compose["services"]
+    daemons = {name: daemon_config(s["command"]) for name, s in services.items()
+               if name.startswith("tiercache-")}
+    assert len(daemons) == 2
+    # one cluster, one secret (so both mask keys alike), one remote namespace
+    assert len({c.remote for c in daemons.values()}) == 1
+    assert len({c.secret_path for c in daemons.values()}) == 1
+    assert all(not c.remote_namespace for c in daemons.values())
+    secret = next(iter(daemons.values())).secret_path
+    assert all(s["secrets"][0]["target"] == secret for n, s in services.items() if n in daemons)
+    # every node the URL names is a Redis service that the init job puts in the cluster
+    nodes = {a.rsplit(":", 1)[0] for a in next(iter(daemons.values())).remote.split("//")[1].split(",")}
+    redis = {n for n in services if re.fullmatch(r"redis-\d", n)}
+    assert nodes == redis
+    init = services["redis-init"]["command"]
+    assert all(f"{n}:7000" in init for n in redis) and "--cluster create" in init
+    # Redis as a cache: LRU eviction, no persistence, the rest serving while a node is down
+    for name in redis:
+        server = services[name]["command"]
+        for setting in ("--cluster-enabled yes", "--maxmemory-policy allkeys-lru",
+                        "--cluster-require-full-coverage no", "--appendonly no"):
+            assert setting in server, (name, setting)
+    # each daemon publishes KV events under its own pod name, on a port it exposes
+    pods = {c.kv_events_pod for c in daemons.values()}
+    assert len(pods) == 2
+    for name, config in daemons.items():
+        assert config.kv_events.endswith(":5557") and config.kv_events_replay.endswith(":5558")
+        assert any(p.endswith(":5557") for p in services[name]["ports"])

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from service.handover import handover_path
-from tests.reliability import certs, keyed, prompts
+from drills import certs, keyed, prompts
 from tests.service.daemon import running_daemon
 from tiercache import shm
 from tiercache.client import Client, Tls

@@ -15,7 +15,7 @@ import pytest
 
 from service.config import ServiceConfig
 from service.server import start
-from tests.reliability import keyed, prompts
+from drills import keyed, prompts
 from tiercache.client import Client, EmbeddedClient
 from tiercache.engine import EngineConfig
 from tiercache.errors import InvalidArgument

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.reliability import damage
+from drills import damage
 
 PROMPTS = 12
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from benchmarks import crash_loop
-from tests.reliability import prompts
+from drills import crash as crash_loop
+from drills import prompts
 from tests.service.daemon import running_daemon
 from tiercache.client import Client
 from tiercache.errors import Unavailable

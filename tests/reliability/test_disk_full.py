@@ -8,8 +8,8 @@ and the tier refused every write from then on.
 
 from __future__ import annotations
 
-from tests.reliability import keyed
-from tests.tiercache.helpers import prompt_keys, random_buffers
+from drills import keyed
+from drills.worlds import prompt_keys, random_buffers
 from tiercache.engine import Engine, EngineConfig
 from tiercache.layout import BufferSpec, Layout
 from tiercache.policy import PolicyConfig, WriteConfig

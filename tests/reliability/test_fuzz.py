@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from benchmarks import fuzz_rpc
+from drills import fuzz as fuzz_rpc
 
 
 def test_random_messages_to_every_rpc_get_deliberate_statuses_only(tmp_path):

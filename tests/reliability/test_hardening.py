@@ -11,7 +11,7 @@ import threading
 import grpc
 import pytest
 
-from tests.reliability import prompts
+from drills import prompts
 from tests.service.daemon import running_daemon
 from tiercache.client import Client
 from tiercache.errors import ResourceExhausted

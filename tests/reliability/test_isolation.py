@@ -17,7 +17,7 @@ import pytest
 
 from service.auth import Authenticator, Tenant, load_tenants
 from service.handover import handover_path
-from tests.reliability import certs, keyed, prompts
+from drills import certs, keyed, prompts
 from tests.service.daemon import running_daemon
 from tiercache.client import Client, Tls
 from tiercache.errors import (InvalidArgument, PermissionDenied, TiercacheError, Unauthenticated,

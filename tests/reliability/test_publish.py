@@ -8,7 +8,6 @@ its key stands for (keyed.py): 0 wrong entries, whatever failed.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from contextlib import ExitStack
@@ -16,45 +15,17 @@ from contextlib import ExitStack
 import numpy as np
 import pytest
 
-from tests.reliability import keyed, prompts
+from drills import keyed, prompts
+from drills.publish import LAYOUT, PAGES, load_checked, loader, open_engine, stored, storer
 from tests.service.daemon import running_daemon
-from tests.tiercache.helpers import hybrid_layout, prompt_keys, random_buffers
+from drills.worlds import random_buffers
 from tiercache import failpoints
 from tiercache.client import Client
 from tiercache.engine import Engine, EngineConfig
 from tiercache.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted
 from tiercache.failpoints import InjectedFault
 from tiercache.results import Tier
-from tiercache.policy import PolicyConfig, WriteConfig
-from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
-
-LAYOUT = hybrid_layout(page_rows=64, slot_rows=8)
-PAGES = 4
-
-
-def open_engine(tmp_path, host_pages=1000, writes="through") -> Engine:
-    return Engine.open(EngineConfig(
-        host=HostConfig(budget_bytes=host_pages * LAYOUT.page_bytes, pin=False),
-        disk=DiskConfig(str(tmp_path), map_size=1 << 26, sync=False),
-        policy=PolicyConfig(writes=WriteConfig(host=writes))))
-
-
-def stored(engine, seed, rows=range(PAGES), slot=0):
-    """A worker that stores prompt `seed` from `rows` and `slot`, with keyed content."""
-    buffers, keys = random_buffers(LAYOUT, seed), prompt_keys(LAYOUT, seed, PAGES)
-    keyed.fill(buffers.paged, buffers.slots, keys, list(rows), slot)
-    return buffers, keys
-
-
-def load_checked(engine, keys, rows=range(10, 10 + PAGES), slot=5) -> int:
-    """Load into poisoned rows of a fresh worker; the pages loaded (asserted exact)."""
-    buffers = random_buffers(LAYOUT, seed=99)
-    keyed.poison(buffers.paged), keyed.poison(buffers.slots)
-    pages = engine.load(buffers, keys, list(rows), slot).match.pages
-    assert keyed.wrong_entries(buffers.paged, buffers.slots, keys, list(rows), pages, slot) == 0
-    return pages
-
 
 def test_a_store_failing_before_publish_leaves_nothing_visible_and_frees_its_slots(tmp_path):
     engine = open_engine(tmp_path)
@@ -148,31 +119,6 @@ def test_a_load_failing_before_it_writes_the_rows_unpins_its_entries(tmp_path):
     engine.drain()  # the disk writer pins what it writes: let it finish
     assert engine.evict(tier=Tier.HOST) == PAGES + 1  # the load left nothing pinned
     engine.close()
-
-
-def storer(engine, seeds, stop, errors):
-    while not stop.is_set():
-        seed = random.choice(seeds)
-        buffers, keys = stored(engine, seed)
-        try:
-            if random.random() < 0.5:  # so that the store writes and publishes anew
-                engine.evict(keys)
-            engine.store(buffers, keys, range(PAGES), {PAGES: 0})
-        except (InjectedFault, ResourceExhausted):
-            pass
-        except Exception as error:  # noqa: BLE001 - reported by the test
-            errors.append(error)
-
-
-def loader(engine, seeds, stop, errors, loaded):
-    while not stop.is_set():
-        keys = prompt_keys(LAYOUT, random.choice(seeds), PAGES)
-        try:
-            loaded.append(load_checked(engine, keys))
-        except InjectedFault:
-            pass
-        except Exception as error:  # noqa: BLE001 - a wrong entry is an AssertionError
-            errors.append(error)
 
 
 def test_stores_and_loads_under_random_failures_never_see_an_incomplete_entry(tmp_path):

@@ -3,7 +3,7 @@ budgets (the long run is `python -m benchmarks.soak`, 8 workers for 10 minutes).
 
 from __future__ import annotations
 
-from benchmarks import soak
+from drills import soak
 
 
 def test_mixed_load_on_tiny_budgets_has_no_errors_and_every_loaded_byte_is_right():

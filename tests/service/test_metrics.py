@@ -15,6 +15,7 @@ from tests.service.daemon import metrics_url, needs_promtool, running_daemon, sc
 from tests.service.worker_process import LAYOUT, prompt
 from tiercache.client import Client
 from tiercache.metrics import PLACES
+from tiercache.tiers.remote.store import OPERATIONS, Damage, Failure
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
@@ -118,8 +119,10 @@ def test_labels_carry_only_names_the_daemon_chose(daemon):
                "method": set(pb.DESCRIPTOR.services_by_name["Tiercache"].methods_by_name)
                | {"Check", "Watch", "ServerReflectionInfo"},
                "code": {c.name for c in grpc.StatusCode},
-               "reason": {"capacity", "request", "damaged"},
-               "kind": {"page", "checkpoint"}, "outcome": {"stored", "declined", "no_room"}}
+               "reason": {"capacity", "request", "damaged"} | {d.value for d in Damage},
+               "kind": {"page", "checkpoint"} | {f.value for f in Failure},
+               "outcome": {"stored", "declined", "no_room", "hit", "miss", "present", "skipped"},
+               "operation": set(OPERATIONS)}
     declared = {m.full_name: m for m in METRICS.values()}
     text = scrape(url)
     assert not any(chosen in text for chosen in ("acme", "secret-model", "lora-42", "test-model"))

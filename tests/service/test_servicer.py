@@ -12,38 +12,12 @@ from service.workers import WorkerRegistry
 from tests.service.worker_process import LAYOUT, prompt
 from tiercache.engine import Engine, EngineConfig
 from tiercache.hashing import key_array, page_keys
+from drills.context import Aborted, Context
 from service.handover import Handover
 from tiercache.shm import SharedBuffers
 from tiercache.tiers.host import HostConfig
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.wire import layout_to_proto
-
-
-class Aborted(Exception):
-    pass
-
-
-class Context:
-    """What a servicer sees of a call: a deadline, callbacks, abort."""
-
-    def __init__(self, remaining: float | None = None) -> None:
-        self.remaining = remaining
-        self.callbacks: list = []
-        self.code: grpc.StatusCode | None = None
-
-    def time_remaining(self):
-        return self.remaining
-
-    def add_callback(self, callback) -> bool:
-        self.callbacks.append(callback)
-        return True
-
-    def is_active(self) -> bool:
-        return True
-
-    def abort(self, code, details):
-        self.code, self.details = code, details
-        raise Aborted(details)
 
 
 @pytest.fixture

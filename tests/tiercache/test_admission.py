@@ -7,7 +7,7 @@ from tiercache.flops import saved_flops
 from tiercache.layout import BufferSpec, Layout
 from tiercache.policy import AdmissionConfig, PolicyConfig
 from tiercache.tiers.host import HostConfig
-from tests.tiercache.helpers import hybrid_layout, prompt_keys, random_buffers
+from drills.worlds import hybrid_layout, prompt_keys, random_buffers
 from tests.tiercache.test_flops import TINY
 
 POLICY, ALL = AdmissionConfig(), AdmissionConfig(offered="all")

@@ -10,7 +10,7 @@ from tiercache.layout import Layout
 from tiercache.policy import AdmissionConfig, PolicyConfig
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
-from tests.tiercache.helpers import (hybrid_layout, page_bytes, prompt_keys, random_buffers, same,
+from drills.worlds import (hybrid_layout, page_bytes, prompt_keys, random_buffers, same,
                                      slot_bytes)
 from tests.tiercache.tiers.test_disk import flip_byte
 
@@ -337,4 +337,25 @@ def test_entries_stored_under_another_layout_are_misses_never_reads():
     result = engine.store(worker, keys, [0, 1, 2], {3: 0})
     assert result.stored == 0 and result.skipped == 4
     assert engine.load(random_buffers(small, seed=3), keys, [4, 5, 6], slot=1).match.pages == 3
+
+
+def test_a_layout_of_states_only_loads_its_checkpoint(tmp_path):
+    # one Mamba group of vLLM as a registration of its own: slot buffers, no KV pages
+    layout = Layout(16, slots=hybrid_layout(slot_rows=8).slots)
+    source, other = random_buffers(layout, seed=1), random_buffers(layout, seed=2)
+    engine = open_engine(tmp_path)
+    keys = prompt_keys(layout, seed=3, pages=6)
+    # the states after 2 and after 6 pages, from slots 1 and 5 (each the end of its store)
+    engine.store(source, keys[:2], checkpoints={2: 1})
+    engine.store(source, keys, checkpoints={6: 5})
+    for tier in (Tier.HOST, Tier.DISK):  # from memory, then from disk alone
+        # asked for 4 pages, the deepest state at or below is the one after 2
+        assert engine.load(other, keys[:4], slot=3).match.pages == 2
+        assert same(slot_bytes(other, 3), slot_bytes(source, 1))
+        assert engine.load(other, keys, slot=0).match.pages == 6
+        assert same(slot_bytes(other, 0), slot_bytes(source, 5))
+        if tier == Tier.HOST:
+            engine.flush()
+            assert engine.evict(None, Tier.HOST) == 2
+            other = random_buffers(layout, seed=4)
     engine.close()

@@ -12,7 +12,7 @@ from tiercache.policy import PolicyConfig, WriteConfig
 from tiercache.tiers.device import DeviceConfig
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
-from tests.tiercache.helpers import hybrid_layout, prompt_keys, random_buffers
+from drills.worlds import hybrid_layout, prompt_keys, random_buffers
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)

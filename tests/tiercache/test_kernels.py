@@ -44,6 +44,25 @@ def test_rows_of_many_buffers_go_to_slots_and_back_exactly():
     assert int(dest[0][0].sum()) == 0  # rows nobody loaded stay as they were
 
 
+@pytest.mark.parametrize("width", [4096, 6144, 16 + 4096])
+def test_short_and_uneven_rows_copy_whole(width):
+    # a 4 KiB row is one step; 6 KiB and 4 KiB + 16 bytes leave a masked tail
+    source = [random_rows(8, width, 1), random_rows(8, 2 * width, 2)]
+    slab = torch.full((4, 3 * width), 0xA5, dtype=torch.uint8, device=DEVICE)
+    slots = torch.tensor([slab[s].data_ptr() for s in (3, 0)], device=DEVICE)
+    rows = torch.tensor([6, 1], device=DEVICE)
+    copy_rows(BufferTable.of(source, [0, width], DEVICE), rows, slots, to_slots=True)
+    for n, s in enumerate((3, 0)):
+        assert torch.equal(slab[s, :width], source[0][rows[n]])
+        assert torch.equal(slab[s, width:], source[1][rows[n]])
+    assert torch.all(slab[1] == 0xA5) and torch.all(slab[2] == 0xA5)
+
+
+def test_the_step_is_the_largest_power_of_two_the_shortest_row_fills():
+    from tiercache.kernels import block_words
+    assert [block_words(w) for w in (16, 48, 4096, 6144, 1 << 20)] == [4, 8, 1024, 1024, 2048]
+
+
 def test_unaligned_rows_are_refused():
     odd = random_rows(4, 40, 0)  # 40-byte rows: not a multiple of 16
     with pytest.raises(ValueError, match=f"{ALIGN}-byte"):

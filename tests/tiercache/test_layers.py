@@ -18,23 +18,29 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # lowest first; a module may import its own layer and those below
 LAYERS = [
-    {"errors", "failpoints", "flops", "v1"},
+    {"errors", "failpoints", "flops", "v1", "trace"},
     {"keymap", "hashing", "layout", "results"},
     {"counters", "metrics", "tenancy", "buffers", "shm", "cuda_ipc", "kernels",
-     "tiers.arena", "tiers.lmdb_format"},
+     "tiers.arena", "tiers.lmdb_format", "events", "tiers.remote.entry", "tiers.remote.resp",
+     "tiers.remote.incidents", "tiers.remote.store", "tiers.remote.redis_cluster",
+     "tiers.remote.adapters"},
     {"index", "policy", "admission", "tuning", "transfer", "tiers.host", "tiers.device",
-     "tiers.recovery", "tiers.disk"},
+     "tiers.recovery", "tiers.disk", "regions"},
+    {"joint"},
     {"room"},
     {"books"},
     {"background"},
     {"promotions"},
     {"load"},
-    {"store"},
+    {"store", "remote"},
     {"engine"},
-    {"invariants", "wire", "client"},
+    {"invariants", "wire", "client", "group"},
     {"integrations.placement", "integrations.capture", "integrations.hf_cache",
-     "integrations.stores"},
-    {"integrations.transformers"},
+     "integrations.stores", "integrations.vllm.config", "integrations.vllm.jobs",
+     "integrations.vllm.pages"},
+    {"integrations.transformers", "integrations.vllm.events", "integrations.vllm.scheduler_side",
+     "integrations.vllm.worker_side"},
+    {"integrations.vllm.connector"},
 ]
 LAYER = {name: n for n, names in enumerate(LAYERS) for name in names}
 
@@ -118,3 +124,15 @@ def test_the_wire_and_the_remote_client_load_no_engine():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                             check=True).stdout.strip()
     assert loaded == "[]"
+
+
+VLLM_FREE = ["jobs", "pages", "worker_side", "scheduler_side", "config", "__init__"]
+
+
+@pytest.mark.parametrize("name", VLLM_FREE)
+def test_the_vllm_connectors_data_path_needs_no_vllm(name):
+    # the GPU machine has no vLLM: what its tests import must not need it
+    tree = ast.parse((ROOT / "tiercache" / "integrations" / "vllm" / f"{name}.py").read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {n for n in names if n == "vllm" or n.startswith("vllm.")}

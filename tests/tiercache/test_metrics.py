@@ -10,7 +10,7 @@ from tiercache.policy import PolicyConfig, WriteConfig
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
 from tests.tiercache.tiers.test_disk import flip_byte
-from tests.tiercache.helpers import hybrid_layout, prompt_keys, random_buffers
+from drills.worlds import hybrid_layout, prompt_keys, random_buffers
 
 LAYOUT = hybrid_layout(page_rows=64, slot_rows=8)
 PAGE, STATE = LAYOUT.page_bytes, LAYOUT.checkpoint_bytes

@@ -11,7 +11,7 @@ from tiercache.layout import Layout
 from tiercache.policy import PolicyConfig, WriteConfig
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
-from tests.tiercache.helpers import (hybrid_layout, page_bytes, prompt_keys, random_buffers, same,
+from drills.worlds import (hybrid_layout, page_bytes, prompt_keys, random_buffers, same,
                                      slot_bytes)
 
 LAYOUT = hybrid_layout(page_rows=64, slot_rows=8)

@@ -10,7 +10,7 @@ from tiercache.errors import InvalidArgument
 from tiercache.results import Kind
 from tiercache.tiers.host import HostConfig
 from tiercache.hashing import key_array
-from tests.tiercache.helpers import hybrid_layout, page_bytes, prompt_keys, random_buffers, same, slot_bytes
+from drills.worlds import hybrid_layout, page_bytes, prompt_keys, random_buffers, same, slot_bytes
 
 LAYOUT = hybrid_layout(page_rows=64, slot_rows=8)
 

@@ -10,7 +10,7 @@ from tiercache.layout import Layout
 from tiercache.policy import PolicyConfig
 from tiercache.tiers.host import HostConfig
 from tiercache.tuning import AlphaTuner
-from tests.tiercache.helpers import hybrid_layout, prompt_keys, random_buffers
+from drills.worlds import hybrid_layout, prompt_keys, random_buffers
 
 KEYS = np.arange(20, dtype=np.uint64).reshape(10, 2) + 1
 

@@ -236,8 +236,7 @@ class HybridCacheAdapter:
     def _store_call(self, keys: list[PageKey], base: int, checkpoints: Mapping[int, int],
                     first: int = 0) -> Callable[[], StoreResult | None]:
         """The store of rows base.. as the pages of `keys` and {pages: slot} as checkpoints,
-        sending only what comes after the `first` pages a hit brought (they end at a
-        checkpoint). A checkpoint goes with the prefix it ends, in a call of its own:
+        sending only pages first+1.. (Worker.store's first_page). A checkpoint goes with the prefix it ends, in a call of its own:
         tiercache's admission keeps the one at the end of each call's keys (and declines
         others it does not expect reuse at), and these are the ones the adapter chose."""
         page = self.config.page_tokens
@@ -342,7 +341,9 @@ class HybridCacheAdapter:
         self._mark("copy new pages to staging")
         store = None
         if len(keys) > loaded or slots:
-            store = self.stores.submit(self._store_call(keys, buffers.base, slots, loaded),
+            # from the hit's last page on: cached already, it anchors the new pages
+            store = self.stores.submit(self._store_call(keys, buffers.base, slots,
+                                                        max(loaded - 1, 0)),
                                        buffers.rows, slots.values())
         self._mark("hand the store over")
         logits = passes[-1][1] if last_only else torch.cat([lg for _, lg in passes], dim=1)

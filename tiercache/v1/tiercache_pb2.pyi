@@ -13,6 +13,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DEVICE: _ClassVar[Tier]
     TIER_HOST: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
 
 class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -20,14 +21,17 @@ class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     END_OF_PROMPT: _ClassVar[StopReason]
     MISSING_PAGE: _ClassVar[StopReason]
     NO_CHECKPOINT: _ClassVar[StopReason]
+    GROUP_INCOMPLETE: _ClassVar[StopReason]
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier
+TIER_REMOTE: Tier
 STOP_REASON_UNSPECIFIED: StopReason
 END_OF_PROMPT: StopReason
 MISSING_PAGE: StopReason
 NO_CHECKPOINT: StopReason
+GROUP_INCOMPLETE: StopReason
 
 class BufferSpec(_message.Message):
     __slots__ = ("name", "rows", "row_shape", "dtype")
@@ -85,19 +89,31 @@ class BufferLocation(_message.Message):
     cuda: CudaIpcBuffer
     def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm: _Optional[_Union[SharedMemoryBuffer, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
 
+class Group(_message.Message):
+    __slots__ = ("id", "rank", "size")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    rank: int
+    size: int
+    def __init__(self, id: _Optional[str] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
-    __slots__ = ("model_id", "layout", "buffers", "extra_keys", "hash")
+    __slots__ = ("model_id", "layout", "buffers", "extra_keys", "hash", "group")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     layout: Layout
     buffers: _containers.RepeatedCompositeFieldContainer[BufferLocation]
     extra_keys: _containers.RepeatedScalarFieldContainer[str]
     hash: str
-    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferLocation, _Mapping]]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., hash: _Optional[str] = ...) -> None: ...
+    group: Group
+    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferLocation, _Mapping]]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., hash: _Optional[str] = ..., group: _Optional[_Union[Group, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "namespace_root", "layout_fingerprint", "hash")
@@ -122,16 +138,18 @@ class UnregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "prefetch", "checks")
+    __slots__ = ("worker_id", "keys", "prefetch", "checks", "group")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     CHECKS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     prefetch: bool
     checks: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., checks: _Optional[bytes] = ...) -> None: ...
+    group: str
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., checks: _Optional[bytes] = ..., group: _Optional[str] = ...) -> None: ...
 
 class MatchResult(_message.Message):
     __slots__ = ("pages", "tokens", "prompt_pages", "page_tiers", "checkpoint_tier", "stop", "kv_pages")
@@ -204,7 +222,7 @@ class Checkpoint(_message.Message):
     def __init__(self, pages: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event", "checks", "durable", "first_page")
+    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event", "checks", "durable", "event_tokens", "first_page")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +230,7 @@ class StoreRequest(_message.Message):
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     CHECKS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
@@ -220,8 +239,9 @@ class StoreRequest(_message.Message):
     ready_event: bytes
     checks: bytes
     durable: bool
+    event_tokens: bytes
     first_page: int
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., checks: _Optional[bytes] = ..., durable: _Optional[bool] = ..., first_page: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., checks: _Optional[bytes] = ..., durable: _Optional[bool] = ..., event_tokens: _Optional[bytes] = ..., first_page: _Optional[int] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored", "present", "skipped", "checkpoints")
@@ -250,6 +270,28 @@ class EvictResponse(_message.Message):
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     evicted: int
     def __init__(self, evicted: _Optional[int] = ...) -> None: ...
+
+class DescribeGroupRequest(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    def __init__(self, group: _Optional[str] = ...) -> None: ...
+
+class DescribeGroupResponse(_message.Message):
+    __slots__ = ("namespace_root", "hash", "size", "live_ranks", "model_id", "page_tokens")
+    NAMESPACE_ROOT_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace_root: bytes
+    hash: str
+    size: int
+    live_ranks: _containers.RepeatedScalarFieldContainer[int]
+    model_id: str
+    page_tokens: int
+    def __init__(self, namespace_root: _Optional[bytes] = ..., hash: _Optional[str] = ..., size: _Optional[int] = ..., live_ranks: _Optional[_Iterable[int]] = ..., model_id: _Optional[str] = ..., page_tokens: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

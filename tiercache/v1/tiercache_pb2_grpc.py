@@ -69,6 +69,11 @@ class TiercacheStub:
                 request_serializer=tiercache_dot_v1_dot_tiercache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.DescribeGroup = channel.unary_unary(
+                '/tiercache.v1.Tiercache/DescribeGroup',
+                request_serializer=tiercache_dot_v1_dot_tiercache__pb2.DescribeGroupRequest.SerializeToString,
+                response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.DescribeGroupResponse.FromString,
+                _registered_method=True)
 
 
 class TiercacheServicer:
@@ -126,6 +131,14 @@ class TiercacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeGroup(self, request, context):
+        """A group's namespace root, page hash and live ranks, for a process that matches by
+        group without registering buffers of its own (vLLM's scheduler).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TiercacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +176,11 @@ def add_TiercacheServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.StatsRequest.FromString,
                     response_serializer=tiercache_dot_v1_dot_tiercache__pb2.StatsResponse.SerializeToString,
+            ),
+            'DescribeGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeGroup,
+                    request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.DescribeGroupRequest.FromString,
+                    response_serializer=tiercache_dot_v1_dot_tiercache__pb2.DescribeGroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +372,33 @@ class Tiercache:
             '/tiercache.v1.Tiercache/Stats',
             tiercache_dot_v1_dot_tiercache__pb2.StatsRequest.SerializeToString,
             tiercache_dot_v1_dot_tiercache__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiercache.v1.Tiercache/DescribeGroup',
+            tiercache_dot_v1_dot_tiercache__pb2.DescribeGroupRequest.SerializeToString,
+            tiercache_dot_v1_dot_tiercache__pb2.DescribeGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -208,13 +208,13 @@ def test_a_hit_is_one_call_and_its_store_sends_only_what_it_adds(model):
     assert worker.calls == [("load", 4, 0), ("store", 4, 0)]  # a miss: every page is new
 
     # 46 tokens sharing the first 4 pages: one Load before the logits; behind them, one
-    # Store of page 5 and the state after it, sent as pages after the hit.
+    # Store of page 5 and the state after it, sent from the hit's last page on (page 4).
     worker.calls.clear()
     second = torch.cat([first[:, :32], tokens(14, seed=51)], dim=1)
     run = adapter.prefill(model, second)
     assert (run.loaded_tokens, run.checkpoints) == (32, (5,))
     assert run.store.result().checkpoints == (5,)
-    assert worker.calls == [("load", 5, 0), ("store", 1, 4)]
+    assert worker.calls == [("load", 5, 0), ("store", 2, 3)]
     assert adapter.match(second[0, :45]).pages == 5
     adapter.close()
     engine.close()

@@ -1,6 +1,6 @@
 """A worker for the soak: mixed match / load / store for a while, every loaded byte checked.
 
-    python -m tests.reliability.soak_worker ADDRESS SEED SECONDS UNIVERSE
+    python -m drills.soak_worker ADDRESS SEED SECONDS UNIVERSE
 
 Prints one JSON line at the end: operations by kind, pages loaded, wrong loads, and
 errors by status.
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from tests.reliability import keyed, prompts
+from drills import keyed, prompts
 from tiercache.client import Client
 from tiercache.errors import TiercacheError
 

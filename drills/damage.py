@@ -1,6 +1,6 @@
 """Damage to a disk tier, and a child process that opens the damaged tier and reads it.
 
-    python -m tests.reliability.damage check DIR PROMPTS
+    python -m drills.damage check DIR PROMPTS
 
 `store` fills a disk tier with PROMPTS prompts of keyed content (keyed.py). The damage
 functions break it the ways disks and people do: bytes flipped or values cut short
@@ -22,8 +22,8 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from tests.reliability import keyed
-from tests.tiercache.helpers import hybrid_layout, prompt_keys, random_buffers
+from drills import keyed
+from drills.worlds import hybrid_layout, prompt_keys, random_buffers
 from tiercache.engine import Engine, EngineConfig
 from tiercache.policy import PolicyConfig, WriteConfig
 from tiercache.tiers.disk import DiskConfig
@@ -31,7 +31,7 @@ from tiercache.tiers.host import HostConfig
 
 LAYOUT = hybrid_layout(page_rows=64, slot_rows=8)
 PAGES = 4
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def engine_at(path: str) -> Engine:
@@ -152,7 +152,7 @@ def check(path: str, prompts: int) -> dict:
 
 def check_in_child(path: str, prompts: int, timeout: float = 120) -> dict:
     """`check` in its own process; {"crashed": signal} if it died."""
-    done = subprocess.run([sys.executable, "-m", "tests.reliability.damage", "check", path,
+    done = subprocess.run([sys.executable, "-m", "drills.damage", "check", path,
                            str(prompts)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if done.returncode < 0:
         return {"crashed": -done.returncode, "log": done.stderr[-2000:]}

@@ -1,7 +1,7 @@
 """A worker that stores and loads through daemon crashes, keeping a journal of what the
 daemon acknowledged.
 
-    python -m tests.reliability.crash_worker ADDRESS JOURNAL SEED WINDOW
+    python -m drills.crash_worker ADDRESS JOURNAL SEED WINDOW
 
 Forever (until killed): register (again, whenever the daemon went away), then store
 random prompts, half of them durable, and now and then load one and check its bytes.
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from tests.reliability import keyed, prompts
+from drills import keyed, prompts
 from tiercache.client import Client
 from tiercache.errors import TiercacheError
 

@@ -1,0 +1,28 @@
+"""The per-step breakdown (tiercache/trace.py) of a real daemon: one line per traced call,
+its steps named, their times adding up to no more than the call's."""
+
+from __future__ import annotations
+
+import json
+
+from drills import prompts
+from tests.service.daemon import running_daemon
+from tiercache.client import Client
+
+
+def test_a_daemon_asked_to_trace_writes_each_store_and_load_step_by_step(tmp_path, monkeypatch):
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("TIERCACHE_TRACE", str(trace))
+    with running_daemon(tmp_path / "data", "--no-disk") as (address, _):
+        worker = Client(address).register(prompts.MODEL, prompts.LAYOUT)
+        tokens = prompts.tokens(0)
+        worker.store(tokens, kv_rows=range(prompts.PAGES), checkpoints={prompts.PAGES * prompts.PAGE: 0})
+        assert worker.load(tokens, kv_rows=range(prompts.PAGES, 2 * prompts.PAGES), slot=1).match.pages
+        worker.close()
+    calls = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [c["call"] for c in calls] == ["Store", "Load"]
+    store, load = (c["ms"] for c in calls)
+    assert {"prepare", "claim", "reserve", "copy", "fence", "publish", "total"} <= set(store)
+    assert {"match", "locate", "copy", "fence", "settle", "total"} <= set(load)
+    for steps in (store, load):
+        assert sum(v for k, v in steps.items() if k != "total") <= steps["total"] * 1.01

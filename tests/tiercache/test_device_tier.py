@@ -1,0 +1,70 @@
+"""The device tier's logic without a GPU: an arena in CPU memory stands in for the GPU
+arena (the same SlotArena, the same copy path between arenas), so stores land there
+first, go down to the host behind them, evictions move what has no copy below, and
+every prompt comes back exact from whichever tier holds it. The same scenario runs on a
+real GPU in tests/gpu/test_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drills.worlds import hybrid_layout, page_bytes, prompt_keys, random_buffers, same, slot_bytes
+from tiercache.engine import Engine, EngineConfig
+from tiercache.policy import PolicyConfig, WriteConfig
+from tiercache.results import Tier
+from tiercache.tiers.arena import SlotArena
+from tiercache.tiers.device import DeviceMemory
+from tiercache.tiers.disk import DiskConfig
+from tiercache.tiers.host import HostConfig
+
+LAYOUT = hybrid_layout(page_rows=64, slot_rows=8)
+PAGES = 8
+PROMPT = PAGES * LAYOUT.page_bytes + LAYOUT.checkpoint_bytes
+
+
+def engine_with_a_device_tier(tmp_path, writes: str) -> Engine:
+    engine = Engine.open(EngineConfig(
+        host=HostConfig(budget_bytes=3 * PROMPT, pin=False),
+        disk=DiskConfig(str(tmp_path), map_size=1 << 26, sync=False),
+        policy=PolicyConfig(writes=WriteConfig(host=writes))))
+    engine.books.attach_device(SlotArena(2 * PROMPT, PROMPT // 2, DeviceMemory(torch.device("cpu"))))
+    engine.mover.device_transfer = engine.transfer  # CPU workers are "on the device"
+    return engine
+
+
+@pytest.mark.parametrize("writes", ["back", "through"])
+def test_prompts_go_down_the_tiers_and_come_back_exact(tmp_path, writes):
+    engine = engine_with_a_device_tier(tmp_path, writes)
+    source = random_buffers(LAYOUT, seed=1)
+    prompts = [prompt_keys(LAYOUT, seed=n, pages=PAGES) for n in range(6)]
+    # six prompts through a device tier for two and a host tier for three
+    for n, keys in enumerate(prompts):
+        rows = range(n * PAGES, (n + 1) * PAGES)
+        assert engine.store(source, keys, rows, {PAGES: n % 8}).stored == PAGES + 1
+    engine.drain()
+    tiers = set()
+    other = random_buffers(LAYOUT, seed=2)
+    for n, keys in reversed(list(enumerate(prompts))):  # newest first
+        result = engine.load(other, keys, range(56, 64), slot=7)
+        assert result.match.pages == PAGES, f"prompt {n} was lost"
+        assert same(page_bytes(other, range(56, 64)), page_bytes(source, range(n * PAGES, (n + 1) * PAGES)))
+        assert same(slot_bytes(other, 7), slot_bytes(source, n % 8))
+        tiers |= set(result.bytes_from)
+    assert {Tier.DEVICE, Tier.HOST, Tier.DISK} <= tiers
+    counters = engine.stats().counters
+    assert counters["copied_down"] > 0 and counters["evicted_device"] > 0
+    engine.close()
+
+
+def test_evicting_the_device_tier_alone_copies_down_first(tmp_path):
+    engine = engine_with_a_device_tier(tmp_path, "back")
+    source = random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=1, pages=PAGES)
+    engine.store(source, keys, range(PAGES), {PAGES: 0})
+    assert engine.evict(keys, Tier.DEVICE) == PAGES + 1
+    other = random_buffers(LAYOUT, seed=2)
+    result = engine.load(other, keys, range(8, 16), slot=1)
+    assert set(result.bytes_from) == {Tier.HOST} and result.match.pages == PAGES
+    assert same(page_bytes(other, range(8, 16)), page_bytes(source, range(PAGES)))
+    engine.close()
