@@ -1,7 +1,7 @@
 """Shared-prefix TTFT on real hybrid models, and reloading a prefix against recomputing it.
 
     python -m benchmarks.shared_prefix --quick              # a first check on a GPU
-    python -m benchmarks.shared_prefix --full --groups 20   # what `make bench-gpu` runs
+    python -m benchmarks.shared_prefix --full --groups 10   # the GPU run (RESULTS.md)
     python -m benchmarks.shared_prefix --profile            # + a per-step breakdown
 
 Workload (seed 001: SGLang's generated-shared-prefix benchmark): G groups of P prompts; a

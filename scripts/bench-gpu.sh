@@ -3,7 +3,7 @@
 # (BENCH_ARGS=... goes to every one of them, e.g. BENCH_ARGS=--quick). With $OUT set, each
 # benchmark's output also goes to $OUT/bench-NAME.log (and shared_prefix writes its tables
 # per model there).
-#   BENCHES=shared_prefix BENCH_ARGS="--full --groups 20 --profile" make bench-gpu
+#   make bench-gpu BENCHES=shared_prefix BENCH_ARGS="--full --groups 10 --profile"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh
