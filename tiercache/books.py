@@ -24,7 +24,6 @@ from tiercache.errors import FailedPrecondition
 from tiercache.hashing import PageKey, key_list
 from tiercache.index import Hit, Index
 from tiercache.joint import JointHit, Member, joint_hit
-from tiercache.keymap import KeyMap
 from tiercache.layout import Layout
 from tiercache.metrics import byte_counters
 from tiercache.policy import EvictionPolicy, FlopAware
@@ -37,11 +36,12 @@ from tiercache.tuning import AlphaTuner
 
 @dataclass(frozen=True)
 class Claim:
-    """What a store may write: positions of the keys nobody holds or writes (`todo`, their
-    keys `keys`), and positions of keys held by entries of another size or check."""
+    """What a store may write: positions of the keys nobody holds or writes (`todo`) and
+    the index rows claimed for them (`rows`), and positions of keys held by entries of
+    another size or check (`clashes`)."""
 
     todo: np.ndarray
-    keys: np.ndarray
+    rows: np.ndarray
     clashes: np.ndarray
 
 
@@ -55,7 +55,7 @@ class Books:
         self.counters = Counters()
         self.room = Room(index, host, disk, policy, evict_slack, self.counters, tuner)
         self.closing = False
-        self._claims = (KeyMap(), KeyMap())  # by Kind: entries a store is writing now
+        self._claimed = 0  # index rows stores have claimed and not yet published or released
 
     @property
     def device(self) -> SlotArena | None:
@@ -109,7 +109,9 @@ class Books:
         returns their rows."""
         with self.lock:
             rows = self.index.rows_of(kind, keys)
-            there = (rows >= 0) & self.index.in_tier(np.maximum(rows, 0), Tier.HOST)
+            # held in the host by now, or claimed by a store writing it: not ours to publish
+            there = (rows >= 0) & (self.index.in_tier(np.maximum(rows, 0), Tier.HOST)
+                                   | (self.index.column("tiers", np.maximum(rows, 0)) == 0))
             self.host.free(nbytes, slots[~filled].tolist() + slots[filled][there].tolist())
             keep = ~there
             if not keep.any():
@@ -205,7 +207,8 @@ class Books:
         """How many leading pages of the chain are cached, in any tier."""
         with self.lock:
             self.check_open()
-            missing = np.flatnonzero(self.index.rows_of(Kind.PAGE, chain) < 0)
+            rows = self.index.rows_of(Kind.PAGE, chain)
+            missing = np.flatnonzero((rows < 0) | (self.index.column("tiers", np.maximum(rows, 0)) == 0))
             return int(missing[0]) if len(missing) else len(chain)
 
     def stamp(self, chain: np.ndarray, checkpoints: bool) -> tuple[int, np.ndarray]:
@@ -213,6 +216,7 @@ class Books:
         with self.lock:
             self.check_open()
             found = self.index.rows_of(Kind.CHECKPOINT, chain) if checkpoints else np.empty(0, np.int64)
+            found[(found >= 0) & (self.index.column("tiers", np.maximum(found, 0)) == 0)] = -1
             return self.index.tick(), found
 
     # -- pins and values ------------------------------------------------------------------
@@ -230,36 +234,46 @@ class Books:
             self.index.raise_values(rows[rows >= 0], values[rows >= 0])
 
     # -- storing --------------------------------------------------------------------------
-    def claim(self, kind: Kind, keys: np.ndarray, nbytes: int, values: np.ndarray, stamp: int,
-              checks: np.ndarray | None, pins: list[np.ndarray] | None) -> Claim:
-        """Refresh the entries already cached (pinning them for a durable store); claim the
-        others that no concurrent store is writing."""
+    def claim(self, kind: Kind, keys: np.ndarray, depths: np.ndarray, nbytes: int,
+              values: np.ndarray, stamp: int, checks: np.ndarray | None,
+              pins: list[np.ndarray] | None) -> Claim:
+        """Refresh the entries already cached (pinning them for a durable store); claim
+        index rows for the others that no concurrent store is writing (index.claim)."""
         with self.lock:
             self.check_open()
-            existing = self.index.rows_of(kind, keys)
+            index = self.index
+            rows = index.rows_of(kind, keys)
+            live = rows >= 0
+            live[live] = index.column("tiers", rows[live]) != 0  # claimed: another store's
             # an entry of another size or check under the key is not this caller's to use
-            clashes = np.flatnonzero(self.index.usable(existing, nbytes, checks) != existing)
-            existing[clashes] = -2  # neither present nor new
-            present = existing[existing >= 0]
-            self.index.touch(present, stamp)
-            self.index.raise_values(present, values[existing >= 0])
+            usable = index.usable(np.where(live, rows, -1), nbytes, checks)
+            clashes = np.flatnonzero(live & (usable < 0))
+            present = rows[live & (usable >= 0)]
+            index.touch(present, stamp)
+            index.raise_values(present, values[live & (usable >= 0)])
             if pins is not None:
-                self.index.pin(present)
+                index.pin(present)
                 pins.append(present)
-            new = np.flatnonzero(existing == -1)
+            todo = np.flatnonzero(rows < 0)
             tuner = self.room.tuner
             if tuner is not None:
                 alpha = tuner.alpha
-                self.counters.regrets += tuner.returned(kind, keys[new])
+                self.counters.regrets += tuner.returned(kind, keys[todo])
                 if tuner.alpha != alpha:
                     self.room.policy = FlopAware(tuner.alpha)
-            todo = new[self._claims[kind].lookup(keys[new]) < 0]  # others are writing the rest
-            self._claims[kind].insert(keys[todo], todo)
-            return Claim(todo, keys[todo], clashes)
+            claimed = index.claim(kind, keys[todo], depths[todo], nbytes,
+                                  None if checks is None else checks[todo])
+            index.raise_values(claimed, values[todo])
+            self._claimed += len(claimed)
+            return Claim(todo, claimed, clashes)
 
-    def unclaim(self, kind: Kind, keys: np.ndarray, stored: int, skipped: int) -> None:
+    def unclaim(self, kind: Kind, claim: Claim, stored: int, skipped: int) -> None:
+        """A store is done with its claim, of which it published the first `stored` rows
+        (those may be gone again by now, evicted: not the claim's any more); the rest
+        leave the index."""
         with self.lock:
-            self._claims[kind].delete(keys)
+            self.index.release(claim.rows[stored:])
+            self._claimed -= len(claim.rows)
             if kind == Kind.PAGE:
                 self.counters.stored_pages += stored
                 self.counters.skipped_pages += skipped
@@ -270,7 +284,7 @@ class Books:
     def storing(self) -> bool:
         """Whether a store is writing entries now."""
         with self.lock:
-            return any(len(claims) for claims in self._claims)
+            return self._claimed > 0
 
     def reserve(self, nbytes: int, count: int, tier: Tier) -> tuple[list[int], Displaced]:
         """Up to `count` slots of `nbytes` in an arena tier, evicting cold entries for room.
@@ -308,6 +322,14 @@ class Books:
     def free(self, nbytes: int, slots: list[int], tier: Tier) -> None:
         with self.lock:
             self.arena(tier).free(nbytes, slots)
+
+    def publish_claimed(self, rows: np.ndarray, tier: Tier, slots: list[int], stamp: int,
+                        pin: bool = False) -> None:
+        """Make claimed rows visible in `tier` once their bytes are all there (invariant 1)."""
+        with self.lock:
+            self.index.add_tier(rows, tier, slots, stamp)
+            if pin:
+                self.index.pin(rows)
 
     def publish(self, kind: Kind, keys: np.ndarray, depths: np.ndarray, nbytes: int, tier: Tier,
                 slots: list[int] | None, stamp: int | None = None, values: np.ndarray | None = None,

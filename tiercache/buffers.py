@@ -96,6 +96,6 @@ def row_ids(rows: Any, limit: int, what: str, unique: bool = False) -> np.ndarra
     bad = ids[(ids < 0) | (ids >= limit)]
     if bad.size:
         raise InvalidArgument(f"{what} {int(bad[0])} is out of range: the buffer has {limit} rows")
-    if unique and np.unique(ids).size != ids.size:
+    if unique and np.bincount(ids, minlength=limit).max() > 1:  # no sort: ids lie in [0, limit)
         raise InvalidArgument(f"{what} repeat a row: every destination row must be distinct")
     return ids

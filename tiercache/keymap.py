@@ -15,6 +15,7 @@ import numpy as np
 EMPTY = 0
 GONE = 1  # a tombstone: probing goes on past it, inserting may reuse it
 _BASE = 2  # a live record stores row + 2
+_MARK = np.uint64(1 << 63)  # a free slot an insert round is assigning (never seen outside it)
 _TAIL = 8  # keys still probing when this few are left are probed one by one
 _MIN_CAPACITY = 1024
 
@@ -102,16 +103,21 @@ class KeyMap:
         at = (lo & np.uint64(self._mask)).astype(np.int64)
         written: list[tuple[np.ndarray, np.ndarray]] = []  # (slots, what they held), to undo
         while pending.size:
-            free = self._table[at, 2] < _BASE
-            # several keys may reach the same free slot: the first of them takes it
-            taken, first = np.unique(at[free], return_index=True)
-            winners = pending[free][first]
-            written.append((taken, self._table[taken, 2].copy()))
-            self._tombstones -= int(np.count_nonzero(self._table[taken, 2] == GONE))
+            free = np.flatnonzero(self._table[at, 2] < _BASE)
+            # several keys may reach the same free slot: each marks it, and the mark that
+            # stays takes it (no sort); marked in reverse, so the earliest key wins
+            slots = at[free]
+            held = self._table[slots, 2].copy()
+            marks = _MARK | free.astype(np.uint64)
+            self._table[slots[::-1], 2] = marks[::-1]
+            won = self._table[slots, 2] == marks
+            winners, taken = pending[free[won]], slots[won]
+            written.append((taken, held[won]))
+            self._tombstones -= int(np.count_nonzero(held[won] == GONE))
             self._table[taken, 0], self._table[taken, 1] = lo[winners], hi[winners]
             self._table[taken, 2] = rows[winners] + _BASE
             going = np.ones(len(pending), bool)
-            going[np.flatnonzero(free)[first]] = False
+            going[free[won]] = False
             # a key that lost its slot to the same key is a repeat within the batch
             repeat = going & (self._table[at, 0] == lo[pending]) & (self._table[at, 1] == hi[pending])
             if repeat.any():

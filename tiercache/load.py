@@ -24,7 +24,7 @@ from tiercache.background import Mover
 from tiercache.books import Books
 from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import InvalidArgument
-from tiercache.hashing import Keys, distinct_keys
+from tiercache.hashing import Keys
 from tiercache.metrics import Traffic
 from tiercache.promotions import Placed, Promotions
 from tiercache.results import Kind, LoadResult, Match, StopReason, Tier
@@ -92,8 +92,8 @@ class Loads:
     def load(self, buffers: WorkerBuffers, keys: Keys, rows: Any, slot: int | None,
              transfer: Transfer, ready: Any, asynchronous: bool,
              checks: np.ndarray | None) -> LoadResult:
-        """See Engine.load."""
-        layout, keys = buffers.layout, distinct_keys(keys)
+        """See Engine.load (`keys` are distinct: the engine checked)."""
+        layout = buffers.layout
         dst = row_ids(rows, layout.page_rows, "kv row", unique=True)
         limit = len(dst) if layout.needs_pages else len(keys)
         dst_slot = np.empty(0, np.int64)

@@ -72,6 +72,7 @@ class Room:
         self.tuner = tuner
         self.writing_bytes = 0  # disk room promised to batches being written
         self.deleting: dict[bytes, int] = {}  # LMDB records being deleted: db key -> bytes
+        self.copying_down: set[int] = set()  # device rows a copy down has taken
 
     def arena(self, tier: Tier) -> SlotArena:
         arena = self.device if tier == Tier.DEVICE else self.host
@@ -185,8 +186,10 @@ class Room:
     def begin_copy_down(self, rows: np.ndarray, displaced: Displaced) -> DownBatch | None:
         """Pin device entries and reserve host slots for them, evicting only host entries
         that need no move (a copy down never waits on disk writes)."""
+        rows = rows[np.array([r not in self.copying_down for r in rows.tolist()], bool)]  # one copy each
         if not len(rows):
             return None
+        self.copying_down.update(rows.tolist())
         self.index.pin(rows)  # pinned while read, and no candidate for the evictions below
         placed, sizes = [], self.index.column("nbytes", rows)
         for size in np.unique(sizes).tolist():
@@ -200,6 +203,7 @@ class Room:
     def end_copy_down(self, batch: DownBatch, copied: bool) -> int:
         """Publish the copies in the host (after they are complete) and unpin."""
         self.index.unpin(batch.rows)
+        self.copying_down.difference_update(batch.rows.tolist())
         done = 0
         for rows, slots, size, _ in batch.placed:
             if copied:

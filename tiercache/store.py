@@ -148,7 +148,8 @@ class Stores:
         group.transfer.wait_for(job.ready, "store")
         tier = Tier.DEVICE if group.transfer is self.mover.device_transfer else Tier.HOST
         with trace.span("claim"):
-            claim = self.books.claim(group.kind, keys, group.nbytes, values, stamp, checks, job.pins)
+            claim = self.books.claim(group.kind, keys, depths, group.nbytes, values, stamp, checks,
+                                     job.pins)
         todo, stored = claim.todo, 0
         try:
             while stored < len(todo):  # in batches: each one may push the last down a tier
@@ -165,16 +166,14 @@ class Stores:
                 batch = todo[stored:stored + len(slots)]  # shallow pages first
                 self._copy(job, group, src[batch], slots, tier)
                 with trace.span("publish"):
-                    rows = self.books.publish(group.kind, keys[batch], depths[batch], group.nbytes,
-                                              tier, slots, stamp, values[batch],
-                                              None if checks is None else checks[batch],
-                                              pin=job.pins is not None)
+                    rows = claim.rows[stored:stored + len(slots)]
+                    self.books.publish_claimed(rows, tier, slots, stamp, pin=job.pins is not None)
                     if job.pins is not None:
                         job.pins.append(rows)
                     (self.background.stored_on_device if tier == Tier.DEVICE else self.background.stored)(rows)
                 stored += len(batch)
         finally:
-            self.books.unclaim(group.kind, claim.keys, stored, len(todo) - stored)
+            self.books.unclaim(group.kind, claim, stored, len(todo) - stored)
         if len(todo) and not stored:
             arena = self.books.arena(tier)
             raise ResourceExhausted(

@@ -153,7 +153,6 @@ class CudaTransfer:
         self.device = device
         self._streams = streams
         self._tables: dict[int, tuple[Sequence[torch.Tensor], Any]] = {}  # by id of the buffers
-        self._slabs: dict[int, tuple[torch.Tensor]] = {}  # arena slabs seen as buffers
 
     @classmethod
     def open(cls, device: torch.device) -> "CudaTransfer":
@@ -186,13 +185,13 @@ class CudaTransfer:
         addresses = np.concatenate([p.slab.data_ptr() + p.local.astype(np.int64) * p.slab.stride(0)
                                     for p in parts])
         entry_rows = np.concatenate([rows[p.positions] for p in parts])
-        self._run(buffers, offsets, entry_rows, addresses, to_slots, "store" if to_slots else "load")
+        self._run(self._table(buffers, offsets), entry_rows, addresses, to_slots,
+                  "store" if to_slots else "load")
 
-    def _run(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int], rows: np.ndarray,
-             addresses: np.ndarray, to_slots: bool, direction: str) -> None:
+    def _run(self, table: Any, rows: np.ndarray, addresses: np.ndarray, to_slots: bool,
+             direction: str) -> None:
         from tiercache.kernels import copy_rows  # Triton only where there is a GPU
         stream = self._streams[direction]
-        table = self._table(buffers, offsets)
         with torch.cuda.stream(stream):
             meta = torch.from_numpy(np.stack([rows.astype(np.int64), addresses.astype(np.int64)]))
             on_device = meta.pin_memory().to(self.device, non_blocking=True)
@@ -210,10 +209,11 @@ class CudaTransfer:
         """Copy whole entries from slots of this GPU's arena (`parts`) to the slots at
         `addresses` (in host memory, usually), on the "move" stream: one launch per slab,
         the slab seen as a buffer whose rows are its slots."""
-        for part in parts:
-            slab = (part.slab,)  # kept as one tuple object per slab: the table cache's key
-            slab = self._slabs.setdefault(part.slab.data_ptr(), slab)
-            self._run(slab, [0], part.local, addresses[part.positions], True, "move")
+        from tiercache.kernels import BufferTable
+        for part in parts:  # a table per slab and call: slabs come and go, and a cached
+            # one would keep a released slab alive (or, keyed by address, mistake a new one)
+            self._run(BufferTable.of((part.slab,), [0], self.device), part.local,
+                      addresses[part.positions], True, "move")
 
     def fence(self, direction: str, interprocess: bool = False) -> torch.cuda.Event:
         """An event that completes when every copy launched so far in `direction` has."""

@@ -28,6 +28,9 @@ class Memory(Protocol):
     def release(self, slab: torch.Tensor) -> None:
         """Called once before a slab is dropped."""
 
+    def close(self) -> None:
+        """Give back what is kept for later slabs."""
+
 
 @dataclass(frozen=True)
 class SlabPart:
@@ -174,6 +177,7 @@ class SlotArena:
             for slab in pool.slabs:
                 if slab is not None:
                     self.memory.release(slab)
+        self.memory.close()
         self.pools.clear()
         self.reserved_bytes = self.used_bytes = 0
 

@@ -36,7 +36,13 @@ class DeviceMemory:
     def release(self, slab: torch.Tensor) -> None:
         pass  # torch's allocator takes it back when the last view goes
 
+    def close(self) -> None:
+        pass
+
 
 def device_arena(config: DeviceConfig, device: torch.device) -> SlotArena:
     slab_bytes = max(1, min(config.slab_bytes, config.budget_bytes // 4))
+    # the budget through torch's caching allocator once, now: slabs come from its cache
+    # later, never from a cudaMalloc inside a store
+    torch.empty(config.budget_bytes, dtype=torch.uint8, device=device)
     return SlotArena(config.budget_bytes, slab_bytes, DeviceMemory(device), config.min_slot_bytes)
