@@ -151,23 +151,24 @@ def _segmented(kernel: Callable, spec: Kernel, tokens: int, cuts: list[int],
                pending: list[list[torch.Tensor]]) -> Callable:
     """`kernel` run over [0, cut_1), [cut_1, cut_2), ... [cut_n, tokens), each segment
     starting from the state the previous one returned; the states at the cuts go to
-    `pending` (one list per call), the outputs are concatenated."""
-    signature = inspect.signature(kernel)
+    `pending` (one list per call), the outputs are concatenated. Arguments keep the form
+    the model passed them in (positional or by name): the implementation behind the name
+    (fla, mamba_ssm) may order its parameters differently from transformers' fallback."""
+    names = list(inspect.signature(kernel).parameters)
 
     def run(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        first = bound.arguments[spec.sequence[0]]
-        if first.shape[1] != tokens:
-            raise CaptureFailed(f"a kernel call over {first.shape[1]} tokens in a pass of {tokens}")
-        outputs, states, state = [], [], bound.arguments.get(spec.initial)
+        positional = names[:len(args)]
+        given = dict(zip(positional, args)) | kwargs
+        if given[spec.sequence[0]].shape[1] != tokens:
+            raise CaptureFailed(f"a kernel call over {given[spec.sequence[0]].shape[1]} tokens "
+                                f"in a pass of {tokens}")
+        outputs, states, state = [], [], given.get(spec.initial)
         for start, end in zip([0, *cuts], [*cuts, tokens]):
-            part = dict(bound.arguments)
-            for name in spec.sequence:
-                if part.get(name) is not None:
-                    part[name] = part[name][:, start:end]
+            part = {name: value[:, start:end] if name in spec.sequence and value is not None
+                    else value for name, value in given.items()}
             part[spec.initial], part[spec.final] = state, True
-            call = inspect.BoundArguments(signature, part)
-            output, state = kernel(*call.args, **call.kwargs)
+            ordered = [part.pop(name) for name in positional]
+            output, state = kernel(*ordered, **part)
             outputs.append(output)
             if end < tokens:
                 states.append(state)

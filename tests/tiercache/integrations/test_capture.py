@@ -130,3 +130,36 @@ def test_families_round_trip_bit_exactly(family, caplog):
     assert torch.equal(run.logits, kept)
     fresh.close()
     engine.close()
+
+
+def test_segments_keep_the_form_the_model_passed_each_argument_in():
+    # transformers' name for a kernel has its fallback's signature but calls whatever
+    # implementation it found with the arguments as given: mamba_ssm's puts `z` where the
+    # fallback has `dt_bias`. Arguments the model passes by name must stay by name. The
+    # "state" here is the running sum over tokens of hidden_states * dt + dt_bias.
+    import functools
+    from tiercache.integrations.capture import KERNELS, _segmented
+
+    def implementation(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+                       initial_states=None, return_final_states=False):
+        assert z is None, "dt_bias went into z"
+        start = 0 if initial_states is None else initial_states
+        running = start + torch.cumsum(x * dt + dt_bias, dim=1)
+        return running, running[:, -1]
+
+    def fallback(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None,
+                 initial_states=None, dt_softplus=False, return_final_states=False, **kwargs):
+        raise AssertionError("not the one that runs")
+
+    @functools.wraps(fallback)
+    def named(*args, **kwargs):  # what transformers' decorator builds
+        return implementation(*args, **kwargs)
+
+    x, dt = torch.arange(1.0, 11.0).view(1, 10), torch.full((1, 10), 2.0)
+    pending: list = []
+    run = _segmented(named, KERNELS["mamba2_chunk_scan"], 10, [3, 7], pending)
+    out, final = run(x, dt, None, x, x, chunk_size=4, D=None, z=None, dt_bias=1.0,
+                     return_final_states=True)
+    whole, last = implementation(x, dt, None, x, x, 4, dt_bias=1.0)
+    assert torch.equal(out, whole) and torch.equal(final, last)
+    assert [float(s) for s in pending[0]] == [2 * 6 + 3, 2 * 28 + 7]
