@@ -13,6 +13,7 @@ prefix: a hit or store makes its shallowest page the most recent entry.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any, Mapping, Sequence
 
@@ -43,12 +44,15 @@ class DevicePrefixCache:
         self.entries: OrderedDict[tuple[str, PageKey], int] = OrderedDict()  # oldest first
         self.used = 0
         self.evicted = 0
+        self._lock = threading.Lock()  # the adapter stores from a thread of its own
+        self._stored = None  # on a GPU: an event after the last store's copies into the pools
 
     def keys(self, tokens: Any) -> list[PageKey]:
         return page_keys(tokens, self.root, self.layout.page_tokens)
 
     def match(self, tokens: Any = None, *, keys: Keys | None = None) -> Match:
-        return self._match(_listed(keys))
+        with self._lock:
+            return self._match(_listed(keys))
 
     def _match(self, keys: list[PageKey]) -> Match:
         walked = 0
@@ -60,11 +64,16 @@ class DevicePrefixCache:
         stop = (StopReason.END_OF_PROMPT if pages == len(keys) else
                 StopReason.MISSING_PAGE if pages == walked else StopReason.NO_CHECKPOINT)
         return Match(pages, pages * self.layout.page_tokens, len(keys),
-                     bytes([Tier.DEVICE]) * pages, Tier.DEVICE if pages else None, stop)
+                     bytes([Tier.DEVICE]) * pages, Tier.DEVICE if pages else None, stop, walked)
 
     def load(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
              slot: int | None = None) -> LoadResult:
-        keys = _listed(keys)[:len(kv_rows)]
+        with self._lock:
+            return self._load(_listed(keys)[:len(kv_rows)], kv_rows, slot)
+
+    def _load(self, keys: list[PageKey], kv_rows: Sequence[int], slot: int | None) -> LoadResult:
+        if self._stored is not None:  # a store's copies (on its own stream) come first
+            torch.cuda.current_stream(self.device).wait_event(self._stored)
         match = self._match(keys)
         if not match.pages:
             return LoadResult(match, {}, 0)
@@ -77,9 +86,14 @@ class DevicePrefixCache:
         return LoadResult(match, {Tier.DEVICE: nbytes}, 0)
 
     def store(self, tokens: Any = None, *, keys: Keys | None = None, kv_rows: Sequence[int] = (),
-              checkpoints: Mapping[int, int] | None = None) -> StoreResult:
-        keys, page = _listed(keys), self.layout.page_tokens
-        states = {keys[n // page - 1]: slot for n, slot in (checkpoints or {}).items()}
+              checkpoints: Mapping[int, int] | None = None, first_page: int = 0) -> StoreResult:
+        with self._lock:
+            return self._store(_listed(keys), kv_rows, checkpoints, first_page)
+
+    def _store(self, keys: list[PageKey], kv_rows: Sequence[int],
+               checkpoints: Mapping[int, int] | None, first: int) -> StoreResult:
+        page = self.layout.page_tokens  # keys are pages first+1..
+        states = {keys[n // page - first - 1]: slot for n, slot in (checkpoints or {}).items()}
         new_pages = [i for i, k in enumerate(keys) if (PAGE, k) not in self.entries]
         new_states = [k for k in states if (STATE, k) not in self.entries]
         offered = len(keys) + len(states)
@@ -91,6 +105,8 @@ class DevicePrefixCache:
             return StoreResult(0, offered - added, added)
         self._add(PAGE, self.paged, [keys[i] for i in new_pages], [kv_rows[i] for i in new_pages])
         self._add(STATE, self.slots, new_states, [states[k] for k in new_states])
+        if self.device.type == "cuda":
+            self._stored = torch.cuda.current_stream(self.device).record_event()
         self._touch(keys)
         return StoreResult(added, offered - added, 0,
                            tuple(sorted(n // page for n in (checkpoints or {}))))

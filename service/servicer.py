@@ -162,7 +162,8 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                                            np.asarray(request.kv_rows, np.int64), checkpoints,
                                            ready=_event(request.ready_event, worker), checks=checks,
                                            alive=lambda: _waiting(context), durable=request.durable,
-                                           timeout=context.time_remaining(), remote=shared)
+                                           timeout=context.time_remaining(), remote=shared,
+                                           first_page=request.first_page)
             return store_to_proto(result)
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:

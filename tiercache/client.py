@@ -88,6 +88,7 @@ class Request:
     keys: bytes
     checks: bytes = b""
     tokens: bytes = b""  # stores that publish their tokens in KV events only
+    first_page: int = 0  # stores: the keys are pages first_page+1.. of the prompt
 
 
 class Backend(Protocol):
@@ -140,14 +141,20 @@ class Worker:
 
     def store(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
               checkpoints: Mapping[int, int] | None = None, durable: bool = False,
-              ready: Any = None, publish_tokens: bool = False) -> StoreResult:
+              ready: Any = None, publish_tokens: bool = False, first_page: int = 0) -> StoreResult:
         """Store the prompt's pages from kv_rows and the checkpoints offered, {token position:
         state slot}, each position a multiple of the page size. With `durable`, return only
         once they are committed to disk (they survive the daemon crashing). GPU workers
         may pass `ready`, an interprocess CUDA event recorded after the rows were written
         (a store from another thread); by default one is recorded on the current stream.
         With `publish_tokens`, the daemon's KV events carry the prompt's tokens (routers
-        such as llm-d's indexer hash tokens themselves; without them, events carry keys)."""
+        such as llm-d's indexer hash tokens themselves; without them, events carry keys).
+
+        `first_page`: the store adds to a hit and sends only pages first_page+1.. (`keys`
+        and `kv_rows` for those; given `tokens`, all of the prompt's, the keys are cut
+        here); checkpoint positions still count from the start. Start at the hit's last
+        page (hit - 1): that entry is cached already, and it anchors the new ones (their
+        parent in KV events, the checkpoint their worth is counted from)."""
         page = self.layout.page_tokens
         bad = [p for p in (checkpoints or {}) if p <= 0 or p % page]
         if bad:
@@ -160,6 +167,10 @@ class Worker:
                 raise InvalidArgument("publish_tokens needs the tokens: store by tokens, not keys")
             whole = token_array(tokens)[:len(request.keys) // 16 * page]
             request = replace(request, tokens=whole.tobytes())
+        if first_page:
+            cut = first_page if tokens is not None else 0
+            request = replace(request, keys=request.keys[16 * cut:], checks=request.checks[8 * cut:],
+                              tokens=request.tokens[4 * page * cut:], first_page=first_page)
         return self._backend.store(request, list(kv_rows), pages, durable, ready)
 
     def evict(self, tokens: Any = None, *, keys: Keys | Chain | None = None,
@@ -231,6 +242,7 @@ class _Remote:
         ready = ready if ready is not None else _ready_event(self._device)
         request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
                                   kv_rows=rows, durable=durable, event_tokens=prompt.tokens,
+                                  first_page=prompt.first_page,
                                   ready_event=ready.ipc_handle() if ready else b"",
                                   checkpoints=[pb.Checkpoint(pages=n, slot=s)
                                                for n, s in sorted(checkpoints.items())])
@@ -384,7 +396,7 @@ class _Embedded:
         ready = ready if ready is not None else _ready_event(device)
         return self._engine.store(self._buffers, prompt.keys, rows, checkpoints,
                                   ready=ready, checks=_checks(prompt),
-                                  durable=durable)
+                                  durable=durable, first_page=prompt.first_page)
 
     def evict(self, prompt: Request, tier: Tier | None) -> int:
         return self._engine.evict(prompt.keys, tier)

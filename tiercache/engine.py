@@ -202,13 +202,17 @@ class Engine:
               checkpoints: Mapping[int, int] | None = None, ready: Any = None, *,
               checks: np.ndarray | None = None, alive: Callable[[], bool] | None = None,
               durable: bool = False, timeout: float | None = None,
-              remote: bool = True) -> StoreResult:
+              remote: bool = True, first_page: int = 0) -> StoreResult:
         """Store a prompt after prefill: its KV pages (keys[i] from rows[i]; none for a
         layout without paged buffers) and, of the checkpoints offered, {pages: state slot}
         (each the state after that many pages), those the admission policy keeps. The
         result names the checkpoints now cached. On a GPU, copies start after `ready` (an
         event the worker recorded after writing the rows); the call returns when the
         worker may reuse its rows.
+
+        `first_page`: the keys are pages first_page+1.. of the prompt, after a hit of
+        first_page pages that ends at a checkpoint (a store that adds to what a load
+        brought sends only what it adds); checkpoints still count pages from the start.
 
         `checks` (uint64, one per key, e.g. hashing.page_checks) go with the entries: a
         match must bring the same to hit them. `alive` says whether the caller still
@@ -218,16 +222,21 @@ class Engine:
         `durable`: return only once every page of the chain and each checkpoint the result
         names are committed to disk (within `timeout` seconds); raise if they cannot be.
         `remote`: with a remote tier, write the entries there too, in the background
-        (False keeps them local: a tenant or model configured to stay local)."""
+        (False keeps them local: a tenant or model configured to stay local).
+
+        `first_page`: the keys are pages first_page+1.. of the prompt (a store that adds to
+        a hit sends only what it adds; see Worker.store); checkpoints still count pages from
+        the start of the prompt."""
         with trace.span("prepare"):
             job = self.stores.job(buffers, keys, rows, checkpoints, self._transfer_for(buffers), ready,
-                                  checks, alive, durable)
+                                  checks, alive, durable, first_page)
         result = self.stores.store(job, timeout)
         if remote and self.remote is not None:
             if buffers.layout.needs_pages:
                 self.remote.write_soon(Kind.PAGE, job.chain)
             if result.checkpoints:
-                self.remote.write_soon(Kind.CHECKPOINT, job.chain[np.array(result.checkpoints) - 1])
+                self.remote.write_soon(Kind.CHECKPOINT,
+                                       job.chain[np.array(result.checkpoints) - first_page - 1])
         return result
 
     def store_pages(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],

@@ -180,7 +180,7 @@ class Index:
             tier_codes=best_tiers(tiers[rows]).tobytes(),
             checkpoint_tier=None if checkpoint_row is None else Tier(
                 int(best_tiers(tiers[[checkpoint_row]])[0])),
-            stop=stop)
+            stop=stop, kv_pages=walked if page_bytes else pages)
         return Hit(match, rows, checkpoint_row)
 
     def _deepest_checkpoint(self, keys: np.ndarray, nbytes: int, checks: np.ndarray | None

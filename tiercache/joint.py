@@ -86,6 +86,6 @@ def _hit(index: Index, pages: int, count: int, limit: int, page_tokens: int,
     else:
         stop = StopReason.NO_CHECKPOINT
     match = Match(pages, pages * page_tokens, count, codes.tobytes() if page_rows else b"",
-                  checkpoint_tier, stop)
+                  checkpoint_tier, stop, limit if page_rows else pages)
     rows = [r[:pages] for r in page_rows] + [np.array(at_end, np.int64)]
     return JointHit(match, np.concatenate(rows).astype(np.int64))

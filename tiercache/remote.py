@@ -129,7 +129,8 @@ class RemoteTier:
         if layout.needs_checkpoint:
             checkpoint_tier = Tier.REMOTE if mark else Tier(int(local.checkpoint_tiers[n - 1]))
         match = Match(n, n * layout.page_tokens, len(keys),
-                      codes.tobytes() if layout.needs_pages else b"", checkpoint_tier, stop)
+                      codes.tobytes() if layout.needs_pages else b"", checkpoint_tier, stop,
+                      walked if layout.needs_pages else n)
         return Extension(match, remote_pages, mark)
 
     @staticmethod

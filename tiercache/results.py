@@ -42,6 +42,9 @@ class Match:
     tier_codes: bytes  # best tier of each matched page, one Tier value a byte (none without paged buffers)
     checkpoint_tier: Tier | None  # best tier of the checkpoint at the last page, if one is needed
     stop: StopReason
+    # Leading pages whose KV pages are cached, checkpoint or not (>= pages; as many as
+    # `pages` without paged buffers): a checkpoint there would extend the hit to them.
+    kv_pages: int = 0
 
     @property
     def page_tiers(self) -> tuple[Tier, ...]:

@@ -45,11 +45,12 @@ class StoreJob:
     checks: np.ndarray | None = None  # one per key (hashing.page_chain)
     alive: Alive | None = None  # whether the caller still waits (its rows are still ours)
     pins: list[np.ndarray] | None = None  # a durable store pins what it publishes or finds
+    first: int = 0  # the chain is pages first+1.. of the prompt
 
     def again(self, depths: np.ndarray) -> "StoreJob":
         """This store once more, for the checkpoints at `depths` only (pages all again)."""
         return StoreJob(self.buffers, self.chain, self.src, {d: self.slots[d] for d in depths.tolist()},
-                        self.transfer, None, self.checks, self.alive, self.pins)
+                        self.transfer, None, self.checks, self.alive, self.pins, self.first)
 
 
 def checks_of(checks: np.ndarray | None, keys: np.ndarray) -> np.ndarray | None:
@@ -73,15 +74,19 @@ class Stores:
 
     def job(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],
             checkpoints: Mapping[int, int] | None, transfer: Transfer, ready: Any,
-            checks: np.ndarray | None, alive: Alive | None, durable: bool) -> StoreJob:
-        """Check a store's input and keep the checkpoints admission picks of those offered."""
+            checks: np.ndarray | None, alive: Alive | None, durable: bool,
+            first: int = 0) -> StoreJob:
+        """Check a store's input and keep the checkpoints admission picks of those offered.
+        With `first`, the keys are pages first+1.. and checkpoints still count from page 1."""
         layout, chain = buffers.layout, distinct_keys(keys)
         checks = checks_of(checks, chain)
         offered = dict(checkpoints or {})
-        bad = [n for n in offered if not 0 < n <= len(chain)]
+        if first < 0 or (first and not len(chain)):
+            raise InvalidArgument(f"first_page {first} needs the keys of the pages after it")
+        bad = [n for n in offered if not first < n <= first + len(chain)]
         if bad:
-            raise InvalidArgument(f"checkpoint at page {bad[0]} is outside the prompt's "
-                                  f"{len(chain)} full pages")
+            raise InvalidArgument(f"checkpoint at page {bad[0]} is outside the pages sent, "
+                                  f"{first + 1} to {first + len(chain)}")
         if offered and not layout.needs_checkpoint:
             raise InvalidArgument("this layout has no slot buffers: offer no checkpoints")
         slots = dict(zip(offered, row_ids(list(offered.values()), layout.slot_rows,
@@ -89,13 +94,13 @@ class Stores:
         src = page_rows(buffers, chain, rows) if layout.needs_pages else None
         if src is None and len(rows):
             raise InvalidArgument("this layout has no paged buffers: give no kv rows")
-        shared = self.books.cached_pages(chain) if layout.needs_pages else 0
-        kept = admit(self.admission, offered, len(chain), shared)
+        shared = first + self.books.cached_pages(chain) if layout.needs_pages else 0
+        kept = admit(self.admission, offered, first + len(chain), shared)
         self.books.count("declined_checkpoints", len(offered) - len(kept))
         if durable and self.books.disk is None:  # before any copying
             raise FailedPrecondition("durable stores need a disk tier: start the daemon with one")
         return StoreJob(buffers, chain, src, {n: slots[n] for n in kept.tolist()}, transfer, ready,
-                        checks, alive, [] if durable else None)
+                        checks, alive, [] if durable else None, first)
 
     def store(self, job: StoreJob, timeout: float | None = None) -> StoreResult:
         try:
@@ -111,22 +116,26 @@ class Stores:
         """Store the pages of a chain (if any) and its kept checkpoints, all under one
         stamp, each entry rated by what it saves (admission.entry_values)."""
         layout, depths = job.buffers.layout, np.array(sorted(job.slots), np.int64)
+        first, local = job.first, np.array(sorted(job.slots), np.int64) - job.first - 1
         stamp, found = self.books.stamp(job.chain, layout.needs_checkpoint)
-        ends = np.union1d(np.flatnonzero(found >= 0) + 1, depths)
-        page_values, end_values = entry_values(layout, len(job.chain), ends)
+        # worth counts from the checkpoints on the chain sent: a store that adds to a hit
+        # starts at the hit's last page (Worker.store), whose checkpoint is found here
+        ends = np.union1d(np.flatnonzero(found >= 0) + 1 + first, depths)
+        page_values, end_values = entry_values(layout, first + len(job.chain), ends)
+        page_values = page_values[first:]
         result = StoreResult(0, 0, 0)
         if job.src is not None:
             result += self._store(job, Group.pages(job.buffers, job.transfer), job.chain,
-                                  np.arange(1, len(job.chain) + 1), job.src, page_values, stamp,
-                                  job.checks)[0]
+                                  np.arange(first + 1, first + len(job.chain) + 1), job.src,
+                                  page_values, stamp, job.checks)[0]
         elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
             self.books.raise_values(Kind.PAGE, job.chain, page_values)
         if len(depths):
             part, kept = self._store(job, Group.checkpoints(job.buffers, job.transfer),
-                                     job.chain[depths - 1], depths,
+                                     job.chain[local], depths,
                                      np.array([job.slots[d] for d in depths.tolist()], np.int64),
                                      end_values[np.searchsorted(ends, depths)], stamp,
-                                     None if job.checks is None else job.checks[depths - 1])
+                                     None if job.checks is None else job.checks[local])
             result += StoreResult(part.stored, part.present, part.skipped,
                                   tuple(depths[kept].tolist()))
         return result
@@ -211,7 +220,8 @@ class Stores:
             failpoints.hit("store.before_persist")
             self.books.check_open()
             rows = np.concatenate([self.books.rows_of(Kind.PAGE, job.chain) if job.src is not None else [],
-                                   self.books.rows_of(Kind.CHECKPOINT, job.chain[depths - 1])]
+                                   self.books.rows_of(Kind.CHECKPOINT,
+                                                      job.chain[depths - job.first - 1])]
                                   ).astype(np.int64)
             if np.all(np.isin(rows, np.concatenate(job.pins) if job.pins else [])):
                 break

@@ -87,14 +87,14 @@ def match_to_proto(match: Match) -> pb.MatchResult:
     return pb.MatchResult(pages=match.pages, tokens=match.tokens, prompt_pages=match.prompt_pages,
                           page_tiers=match.tier_codes,
                           checkpoint_tier=int(match.checkpoint_tier or pb.TIER_UNSPECIFIED),
-                          stop=_STOPS[match.stop])
+                          stop=_STOPS[match.stop], kv_pages=match.kv_pages)
 
 
 def match_from_proto(message: pb.MatchResult) -> Match:
     return Match(pages=message.pages, tokens=message.tokens, prompt_pages=message.prompt_pages,
                  tier_codes=bytes(message.page_tiers),
                  checkpoint_tier=tier_from_proto(message.checkpoint_tier, remote=True),
-                 stop=_STOPS_BACK[message.stop])
+                 stop=_STOPS_BACK[message.stop], kv_pages=message.kv_pages)
 
 
 def load_to_proto(result: LoadResult) -> pb.LoadResponse:

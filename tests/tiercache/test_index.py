@@ -52,6 +52,18 @@ def test_checkpoint_beyond_the_kv():
     assert match.pages == 1 and match.stop == StopReason.NO_CHECKPOINT
 
 
+def test_the_branch_point_is_how_far_the_kv_pages_go():
+    # pages 1..5 cached, a checkpoint at 2 only: the hit is 2 pages, the KV walk reaches 5
+    match = hybrid_match(stored(pages=range(1, 6), checkpoints=[2]))
+    assert (match.pages, match.kv_pages, match.stop) == (2, 5, StopReason.NO_CHECKPOINT)
+    # nothing cached: both 0; KV without any checkpoint: no hit, but the pages count
+    assert hybrid_match(Index()).kv_pages == 0
+    assert hybrid_match(stored(pages=[1, 2, 3])).kv_pages == 3
+    # the wire carries it both ways
+    from tiercache.wire import match_from_proto, match_to_proto
+    assert match_from_proto(match_to_proto(match)) == match
+
+
 def test_full_hybrid_hit_ends_at_the_end_of_the_prompt():
     match = hybrid_match(stored(pages=range(1, 7), checkpoints=[3, 6]))
     assert match.pages == 6 and match.stop == StopReason.END_OF_PROMPT

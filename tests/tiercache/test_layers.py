@@ -35,9 +35,11 @@ LAYERS = [
     {"store", "remote"},
     {"engine"},
     {"invariants", "wire", "client", "group"},
-    {"integrations.hf_cache", "integrations.transformers", "integrations.vllm.config",
-     "integrations.vllm.jobs", "integrations.vllm.pages"},
-    {"integrations.vllm.events", "integrations.vllm.scheduler_side", "integrations.vllm.worker_side"},
+    {"integrations.placement", "integrations.capture", "integrations.hf_cache",
+     "integrations.stores", "integrations.vllm.config", "integrations.vllm.jobs",
+     "integrations.vllm.pages"},
+    {"integrations.transformers", "integrations.vllm.events", "integrations.vllm.scheduler_side",
+     "integrations.vllm.worker_side"},
     {"integrations.vllm.connector"},
 ]
 LAYER = {name: n for n, names in enumerate(LAYERS) for name in names}

@@ -158,9 +158,9 @@ def _one_sequence(tensor: torch.Tensor, where: str) -> torch.Tensor:
 class Staging:
     """The adapter's rows: a registered worker's buffers (shared memory the daemon maps, CUDA
     memory it opens by IPC, or plain tensors for an engine in-process), holding the KV pages
-    of one sequence (row p = page p+1, so a load and later stores of the same prompt share
-    rows) and one state slot. tiercache copies between these and its tiers; this class
-    copies between these and a transformers cache."""
+    of one sequence (row base + p = page p+1: the adapter keeps two sets of rows, see
+    transformers._Set) and state slots. tiercache copies between these and its tiers; this
+    class copies between these and a transformers cache."""
 
     def __init__(self, spec: CacheSpec, page_tokens: int, paged: Mapping[str, torch.Tensor],
                  slots: Mapping[str, torch.Tensor]) -> None:
@@ -169,8 +169,8 @@ class Staging:
         self.paged = dict(paged)
         self.slots = dict(slots)
 
-    def pages_from(self, cache: Cache, first: int, last: int) -> None:
-        """Copy pages first+1..last of the cache's KV into rows first..last-1."""
+    def pages_from(self, cache: Cache, first: int, last: int, base: int = 0) -> None:
+        """Copy pages first+1..last of the cache's KV into rows base+first..base+last-1."""
         if last <= first:
             return
         span = slice(first * self.page_tokens, last * self.page_tokens)
@@ -178,27 +178,54 @@ class Staging:
             layer = cache.layers[kv.layer]
             for part, tensor in (("k", layer.keys), ("v", layer.values)):
                 pages = tensor[0, :, span].unflatten(1, (last - first, self.page_tokens))
-                self.paged[f"layer{kv.layer}.{part}"][first:last].copy_(pages.transpose(0, 1))
+                rows = self.paged[f"layer{kv.layer}.{part}"][base + first:base + last]
+                rows.copy_(pages.transpose(0, 1))
 
-    def state_from(self, cache: Cache) -> None:
-        """Copy the cache's linear-attention states into slot 0."""
+    def state_from(self, cache: Cache, slot: int) -> None:
+        """Copy the cache's linear-attention states into `slot`."""
         for s in self.spec.states:
             tensors = getattr(cache.layers[s.layer], f"{s.kind}_states")
-            self.slots[s.name][0].copy_(tensors[s.index][0])
+            self.slots[s.name][slot].copy_(tensors[s.index][0])
 
-    def fill(self, cache: Cache, pages: int, device: torch.device) -> None:
-        """Write rows 0..pages-1 and slot 0 into an empty cache through its public update
-        calls, the same ones a forward pass makes; they copy, so the rows may be reused."""
+    def keep_state(self, slot: int, layer: int, kind: str, state: torch.Tensor) -> None:
+        """Copy one layer's state (with its batch dimension) into `slot`."""
+        self.slots[f"layer{layer}.{kind}0"][slot].copy_(state[0])
+
+    def fill(self, cache: Cache, pages: int, slot: int, device: torch.device, base: int = 0) -> None:
+        """Make an empty cache hold rows base..base+pages-1 and `slot`: each tensor of the
+        cache is made once, by one copy out of the rows (the rows may then be reused)."""
+        tokens = pages * self.page_tokens
         for kv in self.spec.kv:
-            keys, values = (self.paged[f"layer{kv.layer}.{part}"][:pages].transpose(0, 1)
-                            .flatten(1, 2).unsqueeze(0).to(device) for part in ("k", "v"))
-            cache.update(keys, values, kv.layer)
+            layer = cache.layers[kv.layer]
+            parts = []
+            for part, dim in (("k", kv.key_dim), ("v", kv.value_dim)):
+                tensor = torch.empty((1, kv.heads, tokens, dim), dtype=kv.dtype, device=device)
+                rows = self.paged[f"layer{kv.layer}.{part}"][base:base + pages]  # [pages, heads, page, dim]
+                tensor[0].view(kv.heads, pages, self.page_tokens, dim).copy_(rows.transpose(0, 1))
+                parts.append(tensor)
+            layer.lazy_initialization(*parts)
+            layer.keys, layer.values = parts
         for s in self.spec.states:
-            state = self.slots[s.name][0].unsqueeze(0).to(device)
+            layer = cache.layers[s.layer]
+            state = self.slots[s.name][slot].unsqueeze(0)
             if s.kind == "conv":
-                cache.update_conv_state(state, s.layer, s.index)
+                layer.lazy_initialization(conv_states=state, state_idx=s.index,
+                                          conv_kernel_size=state.shape[-1])
             else:
-                cache.update_recurrent_state(state, s.layer, s.index)
-            # update_conv_state marks the state as carried over; a layer without a conv
-            # state has no public call that does, so mark it here.
-            cache.layers[s.layer].has_previous_state[s.index] = True
+                layer.lazy_initialization(recurrent_states=state, state_idx=s.index)
+            getattr(layer, f"{s.kind}_states")[s.index].copy_(state)
+            layer.has_previous_state[s.index] = True  # the next pass continues these states
+
+
+def device_buffers(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every buffer of `layout` carved out of one allocation on `device`: a CUDA IPC handle
+    exposes the whole allocation it names, so the daemon sees these rows and nothing else."""
+    align = 512  # keeps every view aligned for any dtype and for vectorised copies
+    specs = (*layout.paged, *layout.slots)
+    offsets, total = [], 0
+    for spec in specs:
+        offsets.append(total)
+        total += -(-spec.rows * spec.row_bytes // align) * align
+    block = torch.zeros(total, dtype=torch.uint8, device=device)
+    return {spec.name: block[at:at + spec.rows * spec.row_bytes].view(getattr(torch, spec.dtype))
+            .view(spec.shape) for spec, at in zip(specs, offsets)}

@@ -152,20 +152,22 @@ class MatchRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., checks: _Optional[bytes] = ..., group: _Optional[str] = ...) -> None: ...
 
 class MatchResult(_message.Message):
-    __slots__ = ("pages", "tokens", "prompt_pages", "page_tiers", "checkpoint_tier", "stop")
+    __slots__ = ("pages", "tokens", "prompt_pages", "page_tiers", "checkpoint_tier", "stop", "kv_pages")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_TIERS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_TIER_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     pages: int
     tokens: int
     prompt_pages: int
     page_tiers: bytes
     checkpoint_tier: Tier
     stop: StopReason
-    def __init__(self, pages: _Optional[int] = ..., tokens: _Optional[int] = ..., prompt_pages: _Optional[int] = ..., page_tiers: _Optional[bytes] = ..., checkpoint_tier: _Optional[_Union[Tier, str]] = ..., stop: _Optional[_Union[StopReason, str]] = ...) -> None: ...
+    kv_pages: int
+    def __init__(self, pages: _Optional[int] = ..., tokens: _Optional[int] = ..., prompt_pages: _Optional[int] = ..., page_tiers: _Optional[bytes] = ..., checkpoint_tier: _Optional[_Union[Tier, str]] = ..., stop: _Optional[_Union[StopReason, str]] = ..., kv_pages: _Optional[int] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("match",)
@@ -220,7 +222,7 @@ class Checkpoint(_message.Message):
     def __init__(self, pages: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event", "checks", "durable", "event_tokens")
+    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event", "checks", "durable", "event_tokens", "first_page")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +231,7 @@ class StoreRequest(_message.Message):
     CHECKS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     EVENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     kv_rows: _containers.RepeatedScalarFieldContainer[int]
@@ -237,7 +240,8 @@ class StoreRequest(_message.Message):
     checks: bytes
     durable: bool
     event_tokens: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., checks: _Optional[bytes] = ..., durable: _Optional[bool] = ..., event_tokens: _Optional[bytes] = ...) -> None: ...
+    first_page: int
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., checks: _Optional[bytes] = ..., durable: _Optional[bool] = ..., event_tokens: _Optional[bytes] = ..., first_page: _Optional[int] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored", "present", "skipped", "checkpoints")

@@ -4,8 +4,9 @@ test_transformers_daemon.
     python -m tests.tiercache.integrations.hf_worker store ADDRESS OUT
     python -m tests.tiercache.integrations.hf_worker continue ADDRESS OUT
 
-store: prefills FIRST through an adapter over the daemon, which stores pages 1-4 and the
-state after them, and saves what it computed and stored to OUT/store.pt.
+store: prefills FIRST through an adapter over the daemon (one pass that keeps the state
+after page 4), waits for its store of pages 1-4 and that state, and saves what it
+computed and stored to OUT/store.pt.
 continue: a fresh adapter poisons its staging rows (a row the load leaves unwritten turns
 the logits to NaN), matches SECOND, prefills it (the hit loaded, the rest computed and
 counted by a forward hook), decodes 5 greedy tokens from that cache and saves all of it
@@ -31,7 +32,7 @@ SECOND = torch.cat([FIRST[:, :35], tokens(10, seed=3)], dim=1)  # shares 4 pages
 def store(adapter: HybridCacheAdapter, model: torch.nn.Module) -> dict:
     run = adapter.prefill(model, FIRST)
     return {"chunks": list(run.chunks), "logits": run.logits,
-            "checkpoints": [list(s.checkpoints) for s in run.stores]}
+            "checkpoints": list(run.store.result().checkpoints)}
 
 
 def resume(adapter: HybridCacheAdapter, model: torch.nn.Module) -> dict:

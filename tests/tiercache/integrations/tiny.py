@@ -63,3 +63,43 @@ def decode(model, cache, logits: torch.Tensor, steps: int = 5) -> torch.Tensor:
             step = model(input_ids=out[-1].view(1, 1), past_key_values=cache, use_cache=True)
             out.append(step.logits[0, -1].argmax())
     return torch.stack(out)
+
+
+def captured(model, input_ids: torch.Tensor, at: int) -> transformers.DynamicCache:
+    """A cache that has seen input_ids[:, :at], made in memory from ONE forward pass over all
+    of input_ids: the KV cut at `at`, the states `Capture` kept there. The same checkpoint a
+    prefill stores, never copied through tiercache."""
+    from tiercache.integrations.capture import Capture
+    from tiercache.integrations.hf_cache import CacheSpec
+    spec = CacheSpec.probe(model, lambda: transformers.DynamicCache(config=model.config))
+    capture = Capture.of(model, sorted({s.layer for s in spec.states}))
+    kept: dict = {}
+    whole = transformers.DynamicCache(config=model.config)
+    with torch.no_grad(), capture.during(whole, input_ids.shape[1], [at],
+                                         lambda cut, layer, kind, s: kept.update({(layer, kind): s.clone()})):
+        model(input_ids=input_ids, past_key_values=whole, use_cache=True)
+    cache = transformers.DynamicCache(config=model.config)
+    for kv in spec.kv:
+        layer = whole.layers[kv.layer]
+        cache.update(layer.keys[:, :, :at], layer.values[:, :, :at], kv.layer)
+    for s in spec.states:
+        update = cache.update_conv_state if s.kind == "conv" else cache.update_recurrent_state
+        update(kept[s.layer, s.kind], s.layer)
+        cache.layers[s.layer].has_previous_state[s.index] = True
+    return cache
+
+
+def continued(model, cache, input_ids: torch.Tensor, cuts: tuple[int, ...] = ()) -> torch.Tensor:
+    """Logits of one forward pass over `input_ids` continuing `cache`; with `cuts`, its
+    linear-attention kernels run in segments split there, as a prefill that keeps the
+    states at those offsets computes them (the segments' sums round their own way)."""
+    from contextlib import nullcontext
+    from tiercache.integrations.capture import Capture
+    from tiercache.integrations.hf_cache import CacheSpec
+    scope = nullcontext()
+    if cuts:
+        spec = CacheSpec.probe(model, lambda: transformers.DynamicCache(config=model.config))
+        capture = Capture.of(model, sorted({s.layer for s in spec.states}))
+        scope = capture.during(cache, input_ids.shape[1], list(cuts), lambda *_: None)
+    with torch.no_grad(), scope:
+        return model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits
