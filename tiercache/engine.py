@@ -184,7 +184,8 @@ class Engine:
             if index not in self._cuda:
                 self._cuda[index] = CudaTransfer.open(buffers.device)
                 if self.config.device is not None and self.books.device is None:
-                    self.books.attach_device(device_arena(self.config.device, buffers.device))
+                    self.books.attach_device(device_arena(self.config.device, buffers.device,
+                                                          self._cuda[index].streams))
                     self.mover.device_transfer = self._cuda[index]
                     self._start_background()
             return self._cuda[index]

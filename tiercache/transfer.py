@@ -160,6 +160,10 @@ class CudaTransfer:
             return cls(device, {"store": torch.cuda.Stream(), "load": torch.cuda.Stream(),
                                 "move": torch.cuda.Stream()})
 
+    @property
+    def streams(self) -> list[torch.cuda.Stream]:
+        return list(self._streams.values())
+
     def wait_for(self, event: torch.cuda.Event | None, direction: str) -> None:
         """Order this direction's next copies after `event` (the worker's own work)."""
         if event is not None:
@@ -211,9 +215,13 @@ class CudaTransfer:
         the slab seen as a buffer whose rows are its slots."""
         from tiercache.kernels import BufferTable
         for part in parts:  # a table per slab and call: slabs come and go, and a cached
-            # one would keep a released slab alive (or, keyed by address, mistake a new one)
-            self._run(BufferTable.of((part.slab,), [0], self.device), part.local,
-                      addresses[part.positions], True, "move")
+            # one would keep a released slab alive (or, keyed by address, mistake a new one).
+            # It is made on the stream that reads it: freed after this call, its memory is
+            # reused only by work queued behind the launch (made on another stream, the next
+            # table overwrote it under the running kernel: illegal addresses on the H100)
+            with torch.cuda.stream(self._streams["move"]):
+                table = BufferTable.of((part.slab,), [0], self.device)
+            self._run(table, part.local, addresses[part.positions], True, "move")
 
     def fence(self, direction: str, interprocess: bool = False) -> torch.cuda.Event:
         """An event that completes when every copy launched so far in `direction` has."""

@@ -28,7 +28,7 @@ def engine_with_a_device_tier(tmp_path, writes: str) -> Engine:
         host=HostConfig(budget_bytes=3 * PROMPT, pin=False),
         disk=DiskConfig(str(tmp_path), map_size=1 << 26, sync=False),
         policy=PolicyConfig(writes=WriteConfig(host=writes))))
-    engine.books.attach_device(SlotArena(2 * PROMPT, PROMPT // 2, DeviceMemory(torch.device("cpu"))))
+    engine.books.attach_device(SlotArena(2 * PROMPT, PROMPT // 2, DeviceMemory(torch.device("cpu"), ())))
     engine.mover.device_transfer = engine.transfer  # CPU workers are "on the device"
     return engine
 

@@ -6,6 +6,7 @@ after, so that evicting it from the device later costs nothing."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -27,11 +28,19 @@ class DeviceConfig:
 
 
 class DeviceMemory:
-    def __init__(self, device: torch.device) -> None:
+    """Slabs from torch's caching allocator, marked as used by the copy streams: a slab
+    dropped while a copy on one of them may still touch it is not handed out again before
+    that copy is done."""
+
+    def __init__(self, device: torch.device, streams: Sequence[torch.cuda.Stream]) -> None:
         self.device = device
+        self.streams = list(streams)
 
     def allocate(self, slots: int, slot_bytes: int) -> torch.Tensor:
-        return torch.empty((slots, slot_bytes), dtype=torch.uint8, device=self.device)
+        slab = torch.empty((slots, slot_bytes), dtype=torch.uint8, device=self.device)
+        for stream in self.streams:
+            slab.record_stream(stream)
+        return slab
 
     def release(self, slab: torch.Tensor) -> None:
         pass  # torch's allocator takes it back when the last view goes
@@ -40,9 +49,12 @@ class DeviceMemory:
         pass
 
 
-def device_arena(config: DeviceConfig, device: torch.device) -> SlotArena:
+def device_arena(config: DeviceConfig, device: torch.device,
+                 streams: Sequence[torch.cuda.Stream] = ()) -> SlotArena:
+    """The device tier's arena; `streams` are those its slots are copied on."""
     slab_bytes = max(1, min(config.slab_bytes, config.budget_bytes // 4))
     # the budget through torch's caching allocator once, now: slabs come from its cache
     # later, never from a cudaMalloc inside a store
     torch.empty(config.budget_bytes, dtype=torch.uint8, device=device)
-    return SlotArena(config.budget_bytes, slab_bytes, DeviceMemory(device), config.min_slot_bytes)
+    return SlotArena(config.budget_bytes, slab_bytes, DeviceMemory(device, streams),
+                     config.min_slot_bytes)
