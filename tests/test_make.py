@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -57,3 +58,12 @@ def test_without_a_gpu_or_a_pip_configuration_torch_is_the_cpu_build(tmp_path):
     # machines do) keeps it: no index that replaces pip's
     with_wheels = {**bare, "PIP_FIND_LINKS": str(tmp_path)}
     assert torch_install(tmp_path, env=with_wheels).endswith('"torch==2.13.0"')
+
+
+def test_the_readme_and_the_cpu_image_name_the_makefiles_torch_and_cpu_index():
+    makefile = (ROOT / "Makefile").read_text()
+    torch = re.search(r"^TORCH \?= (\S+)", makefile, re.M).group(1)
+    assert re.search(rf"^TORCH_CPU_INDEX := {CPU_INDEX}$", makefile, re.M)
+    by_hand = f"pip install {torch} --index-url {CPU_INDEX}"
+    assert by_hand in (ROOT / "README.md").read_text()
+    assert f'pip install "{torch}" --index-url {CPU_INDEX}' in (ROOT / "deploy" / "Dockerfile.cpu").read_text()
