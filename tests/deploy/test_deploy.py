@@ -120,6 +120,10 @@ def test_the_systemd_unit_runs_the_daemon_in_its_own_directories():
     assert host_port(config.metrics_address, "")[0] == "127.0.0.1"  # a host service: local only
     assert settings["KillSignal"] == "SIGTERM"
     assert float(settings["TimeoutStopSec"]) > config.grace_seconds
+    # the venv's Python may live under /home (ProtectHome=yes would hide it); nothing
+    # there is written, and /usr, /etc are read-only too
+    assert settings["ProtectHome"] == "read-only" and settings["ProtectSystem"] == "strict"
+    assert "make env PYTHON=/usr/bin/python3" in (DEPLOY / "systemd" / "tiercache.service").read_text()
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
