@@ -160,6 +160,48 @@ def test_the_images_run_the_daemon_with_flags_it_has_and_expose_its_ports(name):
     assert any(run.startswith("pip install .") for run in image["RUN"])
 
 
+def apt_installs(name: str) -> list[str]:
+    """The packages the Dockerfile's `apt-get install` commands name."""
+    packages = []
+    for run in dockerfile(name).get("RUN", []):
+        for command in run.split("&&"):
+            words = command.split()
+            if words[:2] == ["apt-get", "install"]:
+                packages += [w for w in words[2:] if not w.startswith("-")]
+    return packages
+
+
+def debian_release() -> str:
+    """This machine's Debian release (codename), or "" elsewhere."""
+    try:
+        release = dict(line.split("=", 1) for line in Path("/etc/os-release").read_text().split("\n")
+                       if "=" in line)
+    except OSError:
+        return ""
+    return release.get("VERSION_CODENAME", "").strip('"') if release.get("ID") == "debian" else ""
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_apt_packages_are_pinned_to_versions_of_the_images_debian_release(name):
+    packages = apt_installs(name)
+    assert all(re.fullmatch(r"[a-z0-9.+-]+=\S+", p) for p in packages), packages  # hadolint DL3008
+    if not packages:
+        return
+    # the base image names its Debian release: its pins are that release's
+    release = re.fullmatch(r"python:[\d.]+-slim-(\w+)", dockerfile(name)["FROM"][0]).group(1)
+    if debian_release() != release or shutil.which("apt-cache") is None:
+        pytest.skip(f"the pins are checked on Debian {release} (apt-cache madison)")
+    for package in packages:
+        package, version = package.split("=", 1)
+        known = subprocess.run(["apt-cache", "madison", package], capture_output=True, text=True,
+                               timeout=60).stdout
+        if not known:
+            pytest.skip("apt has no package lists here: run apt-get update")
+        assert version in {line.split("|")[1].strip() for line in known.splitlines()}, (
+            f"{package}={version} is not in Debian {release} (apt-cache madison: {known}): "
+            f"pin the candidate of `apt-cache policy {package}`")
+
+
 def unit() -> dict[str, str]:
     text = re.sub(r"\\\n\s*", " ", (DEPLOY / "systemd" / "tiercache.service").read_text())
     return dict(line.split("=", 1) for line in text.splitlines()
