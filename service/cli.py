@@ -9,11 +9,13 @@ from dataclasses import fields
 from service import config as service_config
 from service import logs, stats_cli
 from service.server import serve
+from tiercache import __version__
 from tiercache.errors import TiercacheError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV and SSM state cache daemon")
+    parser.add_argument("--version", action="version", version=f"tiercache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="run the daemon until SIGTERM or Ctrl-C")
     service_config.add_flags(serve_parser)
