@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import fields
 
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = service_config.load(args.config, flags=flags)
         logs.setup(config.log_format, config.log_level)
+        ignored = service_config.environment_warning()
+        if ignored:  # e.g. Kubernetes' TIERCACHE_PORT=tcp://...: never a reason not to start
+            logging.getLogger("tiercache.service").warning(ignored)
         return serve(config)
     except (TiercacheError, RuntimeError, OSError) as error:
         print(f"tiercache: {error}", file=sys.stderr)

@@ -74,6 +74,8 @@ def test_the_pod_shares_socket_memory_and_gpu_and_probes_real_ports():
     assert sidecar["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
     # the pod waits long enough for the drain, the grace and then some flushing
     assert spec["terminationGracePeriodSeconds"] > config.drain_seconds + config.grace_seconds
+    # no Kubernetes service links (TIERCACHE_PORT=tcp://...) in the containers' environment
+    assert spec["enableServiceLinks"] is False
 
 
 def dockerfile(name: str) -> dict[str, list[str]]:
