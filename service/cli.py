@@ -18,7 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV and SSM state cache daemon")
     parser.add_argument("--version", action="version", version=f"tiercache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve_parser = commands.add_parser("serve", help="run the daemon until SIGTERM or Ctrl-C")
+    serve_parser = commands.add_parser(
+        "serve", help="run the daemon until SIGTERM or Ctrl-C",
+        description="Each setting comes from the --config TOML file (by its name), its TIERCACHE_* "
+                    "variable or its flag, later ones winning.")
     service_config.add_flags(serve_parser)
     stats_cli.add_parser(commands)
     args = parser.parse_args(argv)

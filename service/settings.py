@@ -176,15 +176,15 @@ class Source:
         return f"{s.env}={raw!r}" if self.kind == "environment" else f"{s.flag} {raw!r}"
 
     def example(self, s: Setting) -> str:
-        """The default, as it is written here: a value that fits."""
+        """A value that fits, as it is written here: the default, or the first choice."""
+        value = s.choices[0] if s.choices and not s.default else s.default
         if self.kind == "file":
-            shown = s.text(s.default) if s.unit == BYTES else s.default
-            return f"{s.name} = {toml_text(shown)}"
+            return f"{s.name} = {toml_text(s.text(value) if s.unit == BYTES else value)}"
         if self.kind == "environment":
-            return f"{s.env}={s.text(s.default)}"
+            return f"{s.env}={s.text(value)}"
         if s.kind is bool:
-            return s.flag if s.default else "--no-" + s.flag.removeprefix("--")
-        return f"{s.flag} {s.text(s.default)}"
+            return s.flag if value else "--no-" + s.flag.removeprefix("--")
+        return f"{s.flag} {s.text(value)}"
 
     def values(self, given: Mapping[str, Any], settings: Mapping[str, Setting]) -> dict[str, Any]:
         """`given` (setting name -> what was written) read and checked, one at a time."""
@@ -194,7 +194,7 @@ class Source:
             if s is None:
                 close = difflib.get_close_matches(name, settings, n=1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
-                raise InvalidArgument(f"{self.path}: {name} is not a setting{hint}: "
+                raise InvalidArgument(f"{self.path or self.kind}: {name} is not a setting{hint}: "
                                       "tiercache serve --help lists them")
             try:
                 value = s.read(raw)
