@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import fields
 
 from service import config as service_config
 from service import logs, stats_cli
 from service.server import serve
+from tiercache import __version__
 from tiercache.errors import TiercacheError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV and SSM state cache daemon")
+    parser.add_argument("--version", action="version", version=f"tiercache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve_parser = commands.add_parser("serve", help="run the daemon until SIGTERM or Ctrl-C")
+    serve_parser = commands.add_parser(
+        "serve", help="run the daemon until SIGTERM or Ctrl-C",
+        description="Each setting comes from the --config TOML file (by its name), its TIERCACHE_* "
+                    "variable or its flag, later ones winning.")
     service_config.add_flags(serve_parser)
     stats_cli.add_parser(commands)
     args = parser.parse_args(argv)
@@ -25,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = service_config.load(args.config, flags=flags)
         logs.setup(config.log_format, config.log_level)
+        ignored = service_config.environment_warning()
+        if ignored:  # e.g. Kubernetes' TIERCACHE_PORT=tcp://...: never a reason not to start
+            logging.getLogger("tiercache.service").warning(ignored)
         return serve(config)
     except (TiercacheError, RuntimeError, OSError) as error:
         print(f"tiercache: {error}", file=sys.stderr)

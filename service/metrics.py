@@ -18,6 +18,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from tiercache import __version__
 from tiercache.engine import Engine
 from tiercache.results import Tier
 from tiercache.metrics import BUCKETS, HopStats
@@ -120,6 +121,8 @@ METRICS = {m.name: m for m in (
            "was full): routers were told to start over (AllBlocksCleared)."),
     Metric("registered_workers", "gauge", "Workers registered now."),
     Metric("ipc_allocations", "gauge", "CUDA allocations of workers that the daemon holds open."),
+    Metric("build_info", "gauge", "Always 1; its label is the daemon's version (tiercache "
+           "--version).", ("version",)),
 )}
 
 # Plain engine counters (and the disk_moved_aside flag), one metric each.
@@ -198,6 +201,9 @@ class EngineCollector:
             yield self._value("eviction_alpha", stats.alpha)
         yield self._value("registered_workers", self.workers())
         yield self._value("ipc_allocations", self.ipc_allocations())
+        build = _family("build_info")
+        build.add_metric([__version__], 1)
+        yield build
 
     @staticmethod
     def _value(name: str, value: float) -> Family:

@@ -38,7 +38,7 @@ from service.metrics import registry_for
 from service.observe import ObservingInterceptor
 from service.servicer import TiercacheServicer
 from service.workers import Limits, WorkerRegistry
-from tiercache import failpoints, tenancy
+from tiercache import __version__, failpoints, tenancy
 from tiercache.engine import Engine
 from tiercache.events import EventLog
 from tiercache.remote import remote_namespace
@@ -217,10 +217,10 @@ def _announce(daemon: Daemon) -> None:
     """The one startup line: where the daemon listens and its effective configuration."""
     where, doors = " and ".join(daemon.addresses), daemon.endpoints
     disk = sum(t.entries for t in daemon.engine.stats().tiers if t.tier.name == "DISK")
-    log.info("tiercache listening on %s", where, extra={"data": {
-        "addresses": daemon.addresses, "metrics": doors.metrics_url or "off",
+    log.info("tiercache %s listening on %s", __version__, where, extra={"data": {
+        "version": __version__, "addresses": daemon.addresses, "metrics": doors.metrics_url or "off",
         "health": doors.health_address or "off", "disk_entries": disk,
         "data_dir": os.path.abspath(daemon.config.data_dir), "config": redacted(daemon.config)}})
     if daemon.config.log_format == "text":  # for people; JSON output stays JSON only
         metrics = f"; metrics on {doors.metrics_url}" if doors.metrics_url else ""
-        print(f"tiercache listening on {where}{metrics}", flush=True)
+        print(f"tiercache {__version__} listening on {where}{metrics}", flush=True)

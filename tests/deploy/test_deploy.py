@@ -92,6 +92,8 @@ def test_the_pod_shares_socket_memory_and_gpu_and_probes_real_ports():
     check_ports_and_probes(sidecar, pod()["metadata"]["annotations"], config)
     # the pod waits long enough for the drain, the grace and then some flushing
     assert spec["terminationGracePeriodSeconds"] > config.drain_seconds + config.grace_seconds
+    # no Kubernetes service links (TIERCACHE_PORT=tcp://...) in the containers' environment
+    assert spec["enableServiceLinks"] is False
 
 
 def test_the_node_daemon_shares_host_directories_with_the_workers_of_its_node():

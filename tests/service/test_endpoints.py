@@ -30,8 +30,8 @@ def test_addresses_read_as_host_and_port(address, expected):
 @pytest.mark.parametrize("settings, message", [
     ({"TIERCACHE_METRICS_ADDRESS": "9477"}, "metrics_address='9477' is not host:port"),
     ({"TIERCACHE_HEALTH_ADDRESS": "0.0.0.0:99999"}, "health_address='0.0.0.0:99999'"),
-    ({"TIERCACHE_LOG_FORMAT": "xml"}, "use text or json"),
-    ({"TIERCACHE_LOG_LEVEL": "loud"}, "use debug, info"),
+    ({"TIERCACHE_LOG_FORMAT": "xml"}, "log_format must be one of text, json"),
+    ({"TIERCACHE_LOG_LEVEL": "loud"}, "log_level must be one of debug, info"),
     ({"TIERCACHE_DRAIN_SECONDS": "-1"}, "drain_seconds must be 0 or more"),
 ])
 def test_bad_operation_settings_say_what_to_write(settings, message):

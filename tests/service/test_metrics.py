@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.metrics import METRICS, PREFIX, TIERS
 from tests.service.daemon import metrics_url, needs_promtool, running_daemon, scrape
 from tests.service.worker_process import LAYOUT, prompt
+from tiercache import __version__
 from tiercache.client import Client
 from tiercache.metrics import PLACES
 from tiercache.tiers.remote.store import OPERATIONS, Damage, Failure
@@ -122,7 +123,7 @@ def test_labels_carry_only_names_the_daemon_chose(daemon):
                "reason": {"capacity", "request", "damaged"} | {d.value for d in Damage},
                "kind": {"page", "checkpoint"} | {f.value for f in Failure},
                "outcome": {"stored", "declined", "no_room", "hit", "miss", "present", "skipped"},
-               "operation": set(OPERATIONS)}
+               "operation": set(OPERATIONS), "version": {__version__}}
     declared = {m.full_name: m for m in METRICS.values()}
     text = scrape(url)
     assert not any(chosen in text for chosen in ("acme", "secret-model", "lora-42", "test-model"))
