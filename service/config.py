@@ -84,6 +84,7 @@ class ServiceConfig:
     remote: str = ""  # redis-cluster://host:port[,host:port...]; "" = no remote tier
     remote_namespace: str = ""  # "" = derived from the secret: daemons sharing it share entries
     remote_lookup_seconds: float = 0.05  # a Match's budget for the remote tier
+    remote_writes: str = "through"  # through (behind each store) or evict (as entries leave the node)
     remote_local_tenants: str = ""  # comma-separated: their entries never leave this node
     remote_local_models: str = ""
     kv_events: str = ""  # ZMQ PUB endpoint, e.g. tcp://*:5557; "" = no KV events
@@ -110,7 +111,7 @@ class ServiceConfig:
                               WriteConfig(host=self.policy_writes))
         remote = RemoteTierConfig(RemoteConfig(
             self.remote, namespace=self.remote_namespace or remote_namespace,
-            lookup_seconds=self.remote_lookup_seconds)) if self.remote else None
+            lookup_seconds=self.remote_lookup_seconds), writes=self.remote_writes) if self.remote else None
         return EngineConfig(host=HostConfig(budget_bytes=self.host_budget), disk=disk,
                             device=device, policy=policy, remote=remote)
 

@@ -43,6 +43,8 @@ def test_defaults_suit_a_laptop_and_put_everything_under_the_data_dir():
     ({"environ": {"TIERCACHE_DISK": "maybe"}}, "not a boolean"),
     ({"environ": {"TIERCACHE_HOST_BUDGT": "1GiB"}}, "unknown setting"),
     ({"flags": {"policy": "random"}}, "eviction policy"),
+    ({"flags": {"remote": "redis-cluster://127.0.0.1:7000", "remote_writes": "later"}},
+     "remote writes 'later'"),
 ])
 def test_bad_settings_name_the_setting(source, message):
     with pytest.raises(InvalidArgument, match=message):
