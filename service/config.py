@@ -103,6 +103,9 @@ class ServiceConfig:
     remote_namespace: str = setting("", "prefix of this daemon's keys in the remote tier; \"\": "
                                         "derived from the secret (daemons sharing it share entries)")
     remote_lookup_seconds: float = setting(0.05, "a Match's budget for the remote tier", SECONDS)
+    remote_writes: str = setting("through", "when entries go to the remote tier: behind each store "
+                                            "(through), or as they leave this node (evict)",
+                                 choices=("through", "evict"))
     remote_local_tenants: str = setting("", "comma-separated tenants whose entries never leave "
                                             "this node")
     remote_local_models: str = setting("", "comma-separated models whose entries never leave "
@@ -134,7 +137,7 @@ class ServiceConfig:
                               WriteConfig(host=self.policy_writes))
         remote = RemoteTierConfig(RemoteConfig(
             self.remote, namespace=self.remote_namespace or remote_namespace,
-            lookup_seconds=self.remote_lookup_seconds)) if self.remote else None
+            lookup_seconds=self.remote_lookup_seconds), writes=self.remote_writes) if self.remote else None
         return EngineConfig(host=HostConfig(budget_bytes=self.host_budget), disk=disk,
                             device=device, policy=policy, remote=remote)
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tiercache.books import Books
-from tiercache.room import DiskBatch, Displaced, DownBatch
+from tiercache.room import DiskBatch, Displaced, DownBatch, Leaving
 from tiercache.metrics import Traffic
 from tiercache.policy import WriteConfig
 from tiercache.hashing import PageKey
@@ -39,6 +39,9 @@ class Mover:
         self.books = books
         self.traffic = traffic
         self.device_transfer: Any = None  # the device tier's CudaTransfer, once there is one
+        # the remote tier's write for entries leaving the node (its write-on-eviction policy):
+        # takes (kind, key, depth, bytes, check) entries, returns once they are written
+        self.hand_off: Callable[[list], Any] | None = None
 
     def write(self, batch: DiskBatch) -> bool:
         """Write a batch in one transaction. False when LMDB stays full after the retries,
@@ -103,6 +106,9 @@ class Mover:
     def settle(self, displaced: Displaced) -> int:
         """Do what an eviction displaced: delete, write down, copy down; then let the
         victims go (books.complete_displaced). Returns how many left their tier."""
+        if displaced.leaving is not None and self.hand_off is not None:
+            self._try(lambda: self.leave(displaced.leaving) or True,
+                      "handing evicted entries to the remote tier")
         self.delete(displaced.deletes)
         demoted = copied = False
         try:
@@ -114,6 +120,21 @@ class Mover:
         finally:
             gone = self.books.complete_displaced(displaced, demoted, copied)
         return gone
+
+    def leave(self, leaving: Leaving) -> None:
+        """Hand entries leaving the node to the remote tier: from their pinned host slots,
+        or from their LMDB records (read before the deletes that follow)."""
+        assert self.hand_off is not None
+        if len(leaving.rows) or not leaving.entries:
+            self.hand_off(leaving.entries)
+            return
+        disk = self.books.disk
+        assert disk is not None
+        with disk.reader() as reader:  # the views live as long as the read transaction
+            found = [(kind, key, depth, view, check) for (kind, key, depth, _, check), view in
+                     ((entry, reader.get(entry[0], entry[1])) for entry in leaving.entries)
+                     if view is not None]
+            self.hand_off(found)
 
     @staticmethod
     def _try(move: Callable[[], bool], what: str) -> bool:

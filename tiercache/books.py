@@ -235,7 +235,7 @@ class Books:
 
     # -- storing --------------------------------------------------------------------------
     def claim(self, kind: Kind, keys: np.ndarray, depths: np.ndarray, nbytes: int,
-              values: np.ndarray, stamp: int, checks: np.ndarray | None,
+              values: np.ndarray, stamp: int, checks: np.ndarray | None, shared: bool,
               pins: list[np.ndarray] | None) -> Claim:
         """Refresh the entries already cached (pinning them for a durable store); claim
         index rows for the others that no concurrent store is writing (index.claim)."""
@@ -264,6 +264,8 @@ class Books:
             claimed = index.claim(kind, keys[todo], depths[todo], nbytes,
                                   None if checks is None else checks[todo])
             index.raise_values(claimed, values[todo])
+            if shared:
+                index.share(claimed)
             self._claimed += len(claimed)
             return Claim(todo, claimed, clashes)
 

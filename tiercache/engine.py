@@ -102,6 +102,9 @@ class Engine:
             engine.remote = RemoteTier(config.remote, open_store(config.remote.store), engine.books,
                                        engine.traffic)
             engine.remote.start()
+            if config.remote.writes == "evict":
+                engine.books.room.hand_off = True
+                engine.mover.hand_off = engine.remote.hand_off
         return engine
 
     def _start_background(self) -> None:
@@ -230,9 +233,10 @@ class Engine:
         the start of the prompt."""
         with trace.span("prepare"):
             job = self.stores.job(buffers, keys, rows, checkpoints, self._transfer_for(buffers), ready,
-                                  checks, alive, durable, first_page)
+                                  checks, alive, durable, first_page,
+                                  shared=remote and self.remote is not None)
         result = self.stores.store(job, timeout)
-        if remote and self.remote is not None:
+        if job.shared and self.remote.config.writes == "through":
             if buffers.layout.needs_pages:
                 self.remote.write_soon(Kind.PAGE, job.chain)
             if result.checkpoints:

@@ -55,7 +55,7 @@ class Index:
     _DTYPES = {"kind": np.uint8, "tiers": np.uint8, "pins": np.uint32, "depth": np.uint32,
                "nbytes": np.int64, "stamp": np.uint64, "slot_1": np.int32, "slot_2": np.int32,
                "key_lo": np.uint64, "key_hi": np.uint64, "value": np.float32,
-               "check": np.uint64}
+               "check": np.uint64, "shared": np.uint8}
 
     def __init__(self, capacity: int = 1024) -> None:
         self._maps = (KeyMap(), KeyMap())  # by Kind
@@ -224,6 +224,11 @@ class Index:
         (`usable`) until `add_tier` publishes them; `release` drops those never published."""
         return self._new_rows(kind, keys, depths, nbytes, checks)
 
+    def share(self, rows: np.ndarray) -> None:
+        """Mark entries that may be written to the remote tier when they leave this node
+        (stores of tenants and models not kept local)."""
+        self._cols["shared"][rows] = 1
+
     def release(self, rows: np.ndarray) -> None:
         """Drop claimed rows that were never published."""
         assert not np.any(self._cols["tiers"][rows]), "a released row was published"
@@ -247,6 +252,7 @@ class Index:
         cols["key_lo"][fresh], cols["key_hi"][fresh] = keys[:, 0], keys[:, 1]
         cols["value"][fresh] = 0
         cols["check"][fresh] = 0 if checks is None else checks
+        cols["shared"][fresh] = 0
         return fresh
 
     def add_tier(self, rows: np.ndarray, tier: Tier, slots: Sequence[int] | None = None,

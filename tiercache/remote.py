@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiercache.background import Runner
+from tiercache.errors import InvalidArgument
 from tiercache.books import Books
 from tiercache.events import REMOTE_MEDIUM, Change, EventLog
 from tiercache.layout import Layout
@@ -41,6 +42,13 @@ class RemoteTierConfig:
     lookup_pages: int = 4096  # pages beyond the local hit a Match asks the store about
     queue_keys: int = 1 << 16  # entries waiting to be written; more are skipped, counted
     batch_entries: int = 128  # entries per write batch (the store bounds its bytes too)
+    # "through": stores are written behind the reply; "evict": entries are written when
+    # they leave this node (evicted from the disk tier, or from the host without a disk)
+    writes: str = "through"
+
+    def __post_init__(self) -> None:
+        if self.writes not in ("through", "evict"):
+            raise InvalidArgument(f"remote writes {self.writes!r}: choose through or evict")
 
 
 @dataclass(frozen=True)
@@ -204,23 +212,35 @@ class RemoteTier:
                 keys = keys[:self.config.batch_entries]
             self._queued -= len(keys)
         rows, held = self.books.pin_in_host(kind, keys)
-        entries = [Entry(EntryRef(kind, key), depth, memoryview(view.numpy()), check)
-                   for key, depth, view, check in held]
         with self._counting:
             self.counters["remote_write_skipped"] += len(keys) - len(rows)
         try:
-            start = time.perf_counter()
-            written = self.store.put(entries)
-            self.traffic.record("host", "remote", written.nbytes, time.perf_counter() - start)
+            self._put([Entry(EntryRef(kind, key), depth, memoryview(view.numpy()), check)
+                       for key, depth, view, check in held], "host")
         finally:
             self.books.unpin(rows)
+        return True
+
+    def hand_off(self, entries: list) -> None:
+        """Write entries that are leaving this node now ((kind, key, depth, bytes, check),
+        the bytes valid during the call): the write-on-eviction policy."""
+        source = "host" if self.books.disk is None else "disk"
+        self._put([Entry(EntryRef(kind, key), depth, memoryview(data), check)
+                   for kind, key, depth, data, check in entries], source)
+
+    def _put(self, entries: list[Entry], source: str) -> None:
+        if not entries:
+            return
+        start = time.perf_counter()
+        written = self.store.put(entries)
+        self.traffic.record(source, "remote", written.nbytes, time.perf_counter() - start)
         with self._counting:
             self.counters["remote_written"] += written.stored
-        landed = [e.ref.key for e, ok in zip(entries, written.landed) if ok]
+        landed = [e for e, ok in zip(entries, written.landed) if ok]
         if self.events is not None and landed:
-            self.events.record(Change.STORED, np.full(len(landed), int(kind)), REMOTE_MEDIUM,
-                               np.frombuffer(b"".join(landed), "<u8").reshape(-1, 2))
-        return True
+            self.events.record(Change.STORED, np.array([int(e.ref.kind) for e in landed]),
+                               REMOTE_MEDIUM,
+                               np.frombuffer(b"".join(e.ref.key for e in landed), "<u8").reshape(-1, 2))
 
     def start(self) -> None:
         self.writer.start()

@@ -43,19 +43,32 @@ class DownBatch:
     placed: list
 
 
+@dataclass(frozen=True)
+class Leaving:
+    """Entries leaving this node for good, to be handed to the remote tier first (its
+    write-on-eviction policy): `rows` pinned in the host, with `entries` (kind, key,
+    depth, host view, check), when there is no disk; else the LMDB records of disk
+    victims, read before they are deleted (`entries` with None for the bytes)."""
+
+    rows: np.ndarray
+    entries: list
+
+
 @dataclass
 class Displaced:
     """What evictions displaced, to be moved outside the lock and then completed: host
     entries to write to disk before they go (`demote`), device entries to copy to the host
-    before they go (`down`), and disk entries whose LMDB records to delete (`deletes`)."""
+    before they go (`down`), disk entries whose LMDB records to delete (`deletes`), and
+    entries to hand to the remote tier before they leave the node (`leaving`)."""
 
     demote: DiskBatch | None = None
     down: DownBatch | None = None
     deletes: list[tuple[Kind, PageKey]] = field(default_factory=list)
     delete_bytes: int = 0
+    leaving: Leaving | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.demote or self.down or self.deletes)
+        return bool(self.demote or self.down or self.deletes or self.leaving)
 
 
 class Room:
@@ -74,6 +87,7 @@ class Room:
         self.deleting: dict[bytes, int] = {}  # LMDB records being deleted: db key -> bytes
         self.writing: set[int] = set()  # host rows a disk batch has taken
         self.copying_down: set[int] = set()  # device rows a copy down has taken
+        self.hand_off = False  # entries leaving the node go to the remote tier first
 
     def arena(self, tier: Tier) -> SlotArena:
         arena = self.device if tier == Tier.DEVICE else self.host
@@ -96,7 +110,7 @@ class Room:
         first are displaced (or, with `clean_only`, left alone). Returns the bytes freed
         now or once the displaced work is done."""
         candidates = self.index.candidates(tier)
-        if clean_only or (tier == Tier.HOST and displaced.demote is not None) or (
+        if clean_only or (tier == Tier.HOST and (displaced.demote or displaced.leaving)) or (
                 tier == Tier.DEVICE and displaced.down is not None):
             clean = ~self.must_move(candidates.rows, tier)  # one batch of moves at a time
             candidates = type(candidates)(*(getattr(candidates, f)[clean] for f in
@@ -110,22 +124,30 @@ class Room:
         if tier == Tier.HOST and self.tuner is not None:
             self.tuner.evicted(candidates, chosen, self.index.keys(victims))
         moving = self.must_move(victims, tier)
-        if moving.any() and tier == Tier.HOST:
+        if moving.any() and tier == Tier.HOST and self.disk is None:  # leaving for the remote tier
+            displaced.leaving = self.begin_leaving(victims[moving])
+        elif moving.any() and tier == Tier.HOST:
             displaced.demote = self.begin_write(victims[moving], len(victims), displaced)
             # what the batch could not take (no room on disk) is dropped, as a cache may
             moving &= np.isin(victims, displaced.demote.rows if displaced.demote else [])
         elif moving.any():
             displaced.down = self.begin_copy_down(victims[moving], displaced)
+        if tier == Tier.DISK and self.hand_off:  # their records are read before they go
+            leaving = self._describe(victims[self.index.column("shared", victims) == 1], None)
+            before = displaced.leaving.entries if displaced.leaving is not None else []
+            displaced.leaving = Leaving(np.empty(0, np.int64), before + leaving)
         self.remove(victims[~moving], tier, displaced)
         self.counters.evicted[tier, EvictReason.CAPACITY] += len(victims)
         return int(sizes[len(victims) - 1])
 
     def must_move(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
         """Which of `rows` would be lost by leaving `tier`: host entries not on disk (when
-        there is one), device entries without a host copy."""
+        there is one; without, those bound for the remote tier), device entries without a
+        host copy."""
+        if tier == Tier.HOST and self.disk is None:
+            return self.index.column("shared", rows) == 1 if self.hand_off else np.zeros(len(rows), bool)
         if tier == Tier.HOST:
-            return (self.index.in_tier(rows, Tier.HOST) & ~self.index.in_tier(rows, Tier.DISK)
-                    if self.disk is not None else np.zeros(len(rows), bool))
+            return self.index.in_tier(rows, Tier.HOST) & ~self.index.in_tier(rows, Tier.DISK)
         if tier == Tier.DEVICE:
             return ~self.index.in_tier(rows, Tier.HOST)
         return np.zeros(len(rows), bool)
@@ -187,6 +209,22 @@ class Room:
         self.index.add_tier(batch.rows, Tier.DISK)
         return len(batch.rows)
 
+    def begin_leaving(self, rows: np.ndarray) -> Leaving:
+        """Pin host victims bound for the remote tier: their slots stay while it reads them."""
+        self.index.pin(rows)
+        return Leaving(rows, self._describe(rows, Tier.HOST))
+
+    def _describe(self, rows: np.ndarray, tier: Tier | None) -> list:
+        """(kind, key, depth, host view or None, check) of each row."""
+        index = self.index
+        sizes = index.column("nbytes", rows).tolist()
+        views = ([self.host.pool(size).view(slot).numpy() for size, slot in
+                  zip(sizes, index.slots(rows, Tier.HOST).tolist())] if tier == Tier.HOST
+                 else [None] * len(rows))
+        return list(zip([Kind(k) for k in index.column("kind", rows).tolist()],
+                        key_list(index.keys(rows)), index.column("depth", rows).tolist(), views,
+                        index.column("check", rows).tolist()))
+
     def begin_copy_down(self, rows: np.ndarray, displaced: Displaced) -> DownBatch | None:
         """Pin device entries and reserve host slots for them, evicting only host entries
         that need no move (a copy down never waits on disk writes)."""
@@ -224,6 +262,12 @@ class Room:
         is lost to make room). Those a load pinned meanwhile stay too. Returns how many
         left their tier."""
         gone = 0
+        if displaced.leaving is not None and len(displaced.leaving.rows):
+            rows = displaced.leaving.rows
+            self.index.unpin(rows)  # handed off or not, they go, as a cache may
+            rows = rows[(self.index.column("pins", rows) == 0) & self.index.in_tier(rows, Tier.HOST)]
+            self.remove(rows, Tier.HOST, displaced)
+            gone += len(rows)
         if displaced.demote is not None:
             rows = displaced.demote.rows
             self.counters.demoted += self.end_write(displaced.demote, demoted)

@@ -46,11 +46,13 @@ class StoreJob:
     alive: Alive | None = None  # whether the caller still waits (its rows are still ours)
     pins: list[np.ndarray] | None = None  # a durable store pins what it publishes or finds
     first: int = 0  # the chain is pages first+1.. of the prompt
+    shared: bool = False  # its new entries may go to the remote tier when they leave
 
     def again(self, depths: np.ndarray) -> "StoreJob":
         """This store once more, for the checkpoints at `depths` only (pages all again)."""
         return StoreJob(self.buffers, self.chain, self.src, {d: self.slots[d] for d in depths.tolist()},
-                        self.transfer, None, self.checks, self.alive, self.pins, self.first)
+                        self.transfer, None, self.checks, self.alive, self.pins, self.first,
+                        self.shared)
 
 
 def checks_of(checks: np.ndarray | None, keys: np.ndarray) -> np.ndarray | None:
@@ -75,7 +77,7 @@ class Stores:
     def job(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],
             checkpoints: Mapping[int, int] | None, transfer: Transfer, ready: Any,
             checks: np.ndarray | None, alive: Alive | None, durable: bool,
-            first: int = 0) -> StoreJob:
+            first: int = 0, shared: bool = False) -> StoreJob:
         """Check a store's input and keep the checkpoints admission picks of those offered.
         With `first`, the keys are pages first+1.. and checkpoints still count from page 1."""
         layout, chain = buffers.layout, distinct_keys(keys)
@@ -94,13 +96,13 @@ class Stores:
         src = page_rows(buffers, chain, rows) if layout.needs_pages else None
         if src is None and len(rows):
             raise InvalidArgument("this layout has no paged buffers: give no kv rows")
-        shared = first + self.books.cached_pages(chain) if layout.needs_pages else 0
-        kept = admit(self.admission, offered, first + len(chain), shared)
+        cached = first + self.books.cached_pages(chain) if layout.needs_pages else 0
+        kept = admit(self.admission, offered, first + len(chain), cached)
         self.books.count("declined_checkpoints", len(offered) - len(kept))
         if durable and self.books.disk is None:  # before any copying
             raise FailedPrecondition("durable stores need a disk tier: start the daemon with one")
         return StoreJob(buffers, chain, src, {n: slots[n] for n in kept.tolist()}, transfer, ready,
-                        checks, alive, [] if durable else None, first)
+                        checks, alive, [] if durable else None, first, shared)
 
     def store(self, job: StoreJob, timeout: float | None = None) -> StoreResult:
         try:
@@ -149,6 +151,7 @@ class Stores:
         tier = Tier.DEVICE if group.transfer is self.mover.device_transfer else Tier.HOST
         with trace.span("claim"):
             claim = self.books.claim(group.kind, keys, depths, group.nbytes, values, stamp, checks,
+                                     job.shared,
                                      job.pins)
         todo, stored = claim.todo, 0
         try:

@@ -57,6 +57,8 @@ def test_defaults_suit_a_laptop_and_put_everything_under_the_data_dir():
     ({"flags": {"host_budget": "0"}}, "host_budget must be positive"),
     ({"environ": {"TIERCACHE_DISK": "maybe"}}, "TIERCACHE_DISK='maybe' is not true or false"),
     ({"flags": {"policy": "random"}}, "policy must be one of lru, flop: write e.g. --policy lru"),
+    ({"flags": {"remote": "redis-cluster://127.0.0.1:7000", "remote_writes": "later"}},
+     "remote_writes must be one of through, evict"),
 ])
 def test_bad_settings_name_the_setting(source, message):
     with pytest.raises(InvalidArgument, match=message):

@@ -17,6 +17,8 @@ from tiercache.events import REMOTE_MEDIUM, EventLog
 from tiercache.hashing import key_array
 from tiercache.results import Kind, StopReason, Tier
 from tiercache.remote import RemoteTierConfig
+from tiercache.layout import BufferSpec, Layout
+from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
 from tiercache.tiers.remote.store import RemoteConfig
 
@@ -151,3 +153,63 @@ def test_writes_to_the_remote_tier_are_kv_events_of_their_own(cluster):
     assert ("CPU", Kind.PAGE, 3) in media and ("CPU", Kind.CHECKPOINT, 1) in media
     assert (REMOTE_MEDIUM, Kind.PAGE, 3) in media and (REMOTE_MEDIUM, Kind.CHECKPOINT, 1) in media
     a.close()
+
+
+# -- the write-on-eviction policy: entries go to the cluster as they leave the node --------
+PAGES = Layout(16, paged=hybrid_layout().paged)  # attention only: any cached page prefix hits
+BIG = Layout(16, paged=(BufferSpec("kv", 64, (16, 2, 1024), "bfloat16"),))  # 64 KiB pages
+
+
+def leaving_engine(cluster: Cluster, namespace: str, layout: Layout, host_pages: int,
+                   disk: DiskConfig | None = None) -> Engine:
+    remote = RemoteTierConfig(RemoteConfig(cluster.url, namespace=namespace), writes="evict")
+    return Engine.open(EngineConfig(host=HostConfig(budget_bytes=host_pages * layout.page_bytes,
+                                                    pin=False), disk=disk, remote=remote))
+
+
+def test_on_eviction_entries_reach_the_cluster_as_they_leave_a_host_without_disk(cluster):
+    namespace = uuid.uuid4().hex[:8]
+    a, b = leaving_engine(cluster, namespace, PAGES, host_pages=8), engine(cluster, namespace)
+    prompts = [prompt_keys(PAGES, seed=20 + i, pages=8) for i in range(4)]
+    sources = [random_buffers(PAGES, seed=30 + i) for i in range(4)]
+    a.store(sources[0], prompts[0], list(range(8)))
+    a.drain()
+    assert a.stats().counters["remote_written"] == 0  # nothing left the node yet
+    assert b.match(PAGES, prompts[0]).pages == 0
+    # 1. the next prompt fills the host: the first leaves for the cluster, whole
+    a.store(sources[1], prompts[1], list(range(8)))
+    assert a.stats().counters["remote_written"] == 8
+    dest = random_buffers(PAGES, seed=40)
+    assert b.load(dest, prompts[0], list(range(8, 16))).match.pages == 8
+    assert same(page_bytes(dest, range(8, 16)), page_bytes(sources[0], range(8)))
+    # 2. a prompt kept local pushes the second out (handed off); when it is pushed out in
+    #    turn, it is dropped: it never reaches the cluster
+    a.store(sources[2], prompts[2], list(range(8)), remote=False)
+    a.store(sources[3], prompts[3], list(range(8)))
+    assert b.match(PAGES, prompts[1]).pages == 8
+    assert b.match(PAGES, prompts[2]).pages == 0
+    # 3. an entry evicted on request is gone, not handed off
+    assert a.evict(tier=Tier.HOST) == 8
+    assert b.match(PAGES, prompts[3]).pages == 0
+    assert a.stats().counters["remote_written"] == 16
+    a.close(), b.close()
+
+
+def test_on_eviction_disk_victims_are_read_and_handed_off_before_their_records_go(cluster, tmp_path):
+    namespace = uuid.uuid4().hex[:8]
+    disk = DiskConfig(str(tmp_path / "lmdb"), map_size=2 << 20, sync=False)
+    a, b = leaving_engine(cluster, namespace, BIG, host_pages=4, disk=disk), engine(cluster, namespace)
+    prompts = [prompt_keys(BIG, seed=50 + i, pages=12) for i in range(4)]
+    sources = [random_buffers(BIG, seed=60 + i) for i in range(4)]
+    for keys, source in zip(prompts, sources):  # 48 pages through 4 in the host, ~24 on disk
+        a.store(source, keys, list(range(12)))
+        a.drain()
+    counters = a.stats().counters
+    assert counters["evicted_disk"] >= 12 and counters["remote_written"] == counters["evicted_disk"]
+    # the first prompt left the node (its own match finds it in the cluster only) ...
+    assert a.match(BIG, prompts[0]).page_tiers == (Tier.REMOTE,) * 12
+    dest = random_buffers(BIG, seed=70)
+    assert b.load(dest, prompts[0], list(range(12, 24))).match.pages == 12  # ... for the cluster
+    assert same(page_bytes(dest, range(12, 24)), page_bytes(sources[0], range(12)))
+    assert counters["bytes_disk_to_remote"] == counters["remote_written"] * BIG.page_bytes
+    a.close(), b.close()
