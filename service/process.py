@@ -17,7 +17,8 @@ def spawn(data_dir: str | Path, *flags: str,
           forward_output: bool = False) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start `tiercache serve` on a socket in `data_dir`, wait until it listens, yield its
     address; SIGTERM (orderly stop) at the end. Metrics go to a free port (several
-    daemons may run at once); `process.startup_line` is the line that says where.
+    daemons may run at once); `process.startup_line` is the line that says where, and
+    `process.before_startup` what it printed before (the rebuild of the index).
     What the daemon prints after that stays in its pipe for the caller to read, or, with
     `forward_output`, goes on to this process's stderr: a long run must take it, since a
     daemon whose pipe is full blocks on its next log line."""
@@ -34,6 +35,7 @@ def spawn(data_dir: str | Path, *flags: str,
         process.kill()
         raise RuntimeError(f"the daemon did not start: {''.join(said)}{process.stdout.read()}")
     process.startup_line = said[-1]  # type: ignore[attr-defined]
+    process.before_startup = "".join(said[:-1])  # type: ignore[attr-defined]  # e.g. the rebuild's lines
     forward = threading.Thread(target=_forward, args=(process.stdout,), daemon=True)
     if forward_output:
         forward.start()

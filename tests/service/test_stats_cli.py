@@ -31,7 +31,8 @@ def test_stats_shows_tiers_hit_rate_and_counters_and_watch_redraws(tmp_path):
                                      "KiB", "64.0"]
         assert rows["disk"][1] == "0"
         assert "workers 1" in out
-        assert "hit rate    50.0%  (6 of 12 pages asked, 2 matches)" in out
+        assert ("hit rate    50.0%  (6 of 12 pages asked by 2 matches and 0 loads without a "
+                "match)") in out
         assert "pages 6  checkpoints 1" in out and "worker->host" in out
         # 3. --watch draws again and again, with rates, until Ctrl-C ends it cleanly
         watching = stats("--address", address, "--watch", "0.2")
