@@ -5,6 +5,7 @@ carries anything a client chose."""
 from __future__ import annotations
 
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -137,6 +138,19 @@ def test_a_load_without_a_match_counts_in_the_hit_rate(daemon):
     # 3. Match's own figures did not move: no Match was called
     assert s("tiercache_match_requested_pages_total") not in moved
     worker.close()
+
+
+def test_a_worker_that_goes_away_is_a_disconnect_not_a_failed_call(daemon):
+    address, url = daemon
+    before = series(scrape(url))
+    # 1. a worker registers, then goes away: its Register stream ends from its side
+    Client(address).register("test-model", LAYOUT).close()
+    left = s("tiercache_stream_disconnects_total", service=TIERCACHE, method="Register")
+    deadline = time.monotonic() + 30  # the daemon sees the stream end within a second or so
+    while left not in changes(before, series(scrape(url))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # 2. counted as a disconnect, and as no call at all: no Register CANCELLED
+    assert changes(before, series(scrape(url))) == {left: 1}
 
 
 def test_labels_carry_only_names_the_daemon_chose(daemon):
