@@ -39,7 +39,7 @@ from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
 from tiercache.group import Group, GroupMember
 from tiercache.hashing import (Chain, Keys, Namespace, PageKey, key_array, page_chain, page_keys,
                                token_array)
-from tiercache.results import CacheStats, LoadResult, Match, StoreResult, Tier, TierStats
+from tiercache.results import CacheStats, LoadResult, Match, StoreResult, Tier
 from tiercache.layout import Layout
 from tiercache.regions import SharedRegion, region_locations
 from tiercache.shm import SharedBuffers
