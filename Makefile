@@ -1,10 +1,17 @@
 # Everything a fresh machine needs: `make serve` runs the daemon, `make test` the tests.
-# The virtual environment is built on first use. TORCH pins the CPU build for machines
-# without a GPU; on a GPU machine keep the torch you have (it is not reinstalled).
+# The virtual environment is built on first use. TORCH pins torch; TORCH_INDEX is where
+# it comes from: PyTorch's CPU index on a machine without a GPU (no nvidia-smi), unless
+# pip is configured with an index or a wheel directory of its own (that machine chose
+# where packages come from); otherwise pip's default, PyPI's CUDA build. Override it:
+# `make env TORCH_INDEX=URL`, or `TORCH_INDEX=` for pip's default.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || $(PYTHON) -m pip config list 2>/dev/null \
+  | grep -qE '\.(index-url|find-links)=' || echo $(TORCH_CPU_INDEX))
+PIP_TORCH = "$(TORCH)"$(if $(strip $(TORCH_INDEX)), --index-url $(strip $(TORCH_INDEX)))
 EXTRAS ?= dev,transformers
 PROTO := proto/tiercache/v1/tiercache.proto
 PROTOC = $(PY) -m grpc_tools.protoc -Iproto --python_out=$(1) --grpc_python_out=$(1) --pyi_out=$(1) $(PROTO)
@@ -24,20 +31,20 @@ env: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(PIP_TORCH)
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
 serve: env  ## the daemon with defaults: ./tiercache-data, 1 GiB of host memory
 	$(VENV)/bin/tiercache serve $(ARGS)
 
-test: env
-	$(PY) -m pytest -q
+test: env  ## quiet, as pyproject's addopts say; ends with the "N passed" line (CI reads it)
+	$(PY) -m pytest
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(PYV) -m pip install -q --upgrade pip
-	$(PYV) -m pip install -q "$(TORCH)"
+	$(PYV) -m pip install -q $(PIP_TORCH)
 	$(PYV) -m pip install -q "$(VLLM)"
 	$(PYV) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PYV) -m pip install -q -e ".[dev]"
@@ -45,7 +52,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed  ## the vLLM connector against vLLM's real scheduler (CPU)
-	$(PYV) -m pytest -q tests/tiercache/integrations/vllm tests/service/test_groups.py
+	$(PYV) -m pytest tests/tiercache/integrations/vllm tests/service/test_groups.py
 
 demo: env  ## a daemon and two workers in shared-prefix conversations
 	$(PY) examples/demo.py

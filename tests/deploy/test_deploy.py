@@ -37,9 +37,43 @@ def daemon_config(argv: list[str]) -> ServiceConfig:
                                flags={f.name: getattr(args, f.name) for f in fields(ServiceConfig)})
 
 
+def documents(name: str) -> dict[str, list[dict]]:
+    """deploy/kubernetes/NAME's objects by kind."""
+    found: dict[str, list[dict]] = {}
+    for d in yaml.safe_load_all((DEPLOY / "kubernetes" / name).read_text()):
+        found.setdefault(d["kind"], []).append(d)
+    return found
+
+
 def pod() -> dict:
-    documents = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "pod.yaml").read_text()))
-    return next(d for d in documents if d["kind"] == "Pod")
+    return documents("pod.yaml")["Pod"][0]
+
+
+def check_socket_mounts(daemon: dict, worker: dict, config: ServiceConfig) -> tuple[str, str]:
+    """The socket's directory is mounted by both containers at the same place, and the
+    worker's client is pointed at it; returns the volumes the daemon and the worker
+    mount there."""
+    mounts = {c["name"]: {m["mountPath"]: m["name"] for m in c["volumeMounts"]} for c in (daemon, worker)}
+    socket_dir = str(Path(config.socket_path).parent)
+    assert socket_dir in mounts[daemon["name"]] and socket_dir in mounts[worker["name"]]
+    env = {e["name"]: e["value"] for e in worker["env"]}
+    assert env["TIERCACHE_ADDRESS"] == f"unix:{config.socket_path}"
+    # ... and finds the buffer handover beside it
+    assert Path(handover_path(config.socket_path)).parent == Path(socket_dir)
+    return mounts[daemon["name"]][socket_dir], mounts[worker["name"]][socket_dir]
+
+
+def check_ports_and_probes(daemon: dict, annotations: dict, config: ServiceConfig) -> None:
+    """Metrics and health listen on the pod's address, where Prometheus and the kubelet
+    connect; the probes and the scrape annotations name those ports."""
+    ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
+    assert host_port(config.metrics_address, "") == ("0.0.0.0", ports["metrics"])
+    assert host_port(config.health_address, "") == ("0.0.0.0", ports["health"])
+    assert annotations["prometheus.io/port"] == str(ports["metrics"])
+    assert annotations["prometheus.io/path"] == "/metrics"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert daemon[probe]["grpc"]["port"] == ports["health"]
+    assert daemon["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
 
 
 def test_the_pod_shares_socket_memory_and_gpu_and_probes_real_ports():
@@ -48,31 +82,53 @@ def test_the_pod_shares_socket_memory_and_gpu_and_probes_real_ports():
     worker = next(c for c in spec["containers"] if c["name"] == "worker")
     assert sidecar["restartPolicy"] == "Always"  # a native sidecar: up first, down last
     config = daemon_config(sidecar["args"])
-    mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (sidecar, worker)}
-    # the socket lies in a volume both containers mount at the same place ...
-    socket_dir = str(Path(config.socket_path).parent)
-    assert mounts["tiercache"]["socket"] == mounts["worker"]["socket"] == socket_dir
-    # ... the worker's client is pointed at it, and finds the buffer handover beside it
-    env = {e["name"]: e["value"] for e in worker["env"]}
-    assert env["TIERCACHE_ADDRESS"] == f"unix:{config.socket_path}"
-    assert Path(handover_path(config.socket_path)).parent == Path(socket_dir)
-    assert mounts["tiercache"]["cache"] == config.data_dir
+    assert check_socket_mounts(sidecar, worker, config) == ("socket", "socket")  # one volume
+    mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
+    assert mounts["cache"] == config.data_dir
     # one GPU claim for both; one uid for both (the socket is 0600)
     assert sidecar["resources"]["claims"] == worker["resources"]["claims"] == [{"name": "gpu"}]
     assert "runAsUser" in spec["securityContext"] and not any(
         "runAsUser" in c.get("securityContext", {}) for c in (sidecar, worker))
-    # ports: metrics and health listen on the pod's address, where Prometheus and the
-    # kubelet connect
-    ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
-    assert host_port(config.metrics_address, "") == ("0.0.0.0", ports["metrics"])
-    assert host_port(config.health_address, "") == ("0.0.0.0", ports["health"])
-    annotations = pod()["metadata"]["annotations"]
-    assert annotations["prometheus.io/port"] == str(ports["metrics"])
-    assert annotations["prometheus.io/path"] == "/metrics"
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert sidecar[probe]["grpc"]["port"] == ports["health"]
-    assert sidecar["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+    check_ports_and_probes(sidecar, pod()["metadata"]["annotations"], config)
     # the pod waits long enough for the drain, the grace and then some flushing
+    assert spec["terminationGracePeriodSeconds"] > config.drain_seconds + config.grace_seconds
+
+
+def test_the_node_daemon_shares_host_directories_with_the_workers_of_its_node():
+    found = documents("daemonset.yaml")
+    template = found["DaemonSet"][0]["spec"]["template"]
+    spec, worker_spec = template["spec"], found["Pod"][0]["spec"]
+    daemon = next(c for c in spec["containers"] if c["name"] == "tiercache")
+    worker = worker_spec["containers"][0]
+    config = daemon_config(daemon["args"])
+    socket_volume, workers_volume = check_socket_mounts(daemon, worker, config)
+    # the socket's directory and the disk tier are directories of the node: the workers'
+    # socket volume is the daemon's host directory
+    host = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in daemon["volumeMounts"]}
+    assert host[socket_volume] == str(Path(config.socket_path).parent)
+    assert host[next(n for n, path in mounts.items() if path == config.data_dir)] == config.data_dir
+    workers_host = {v["name"]: v["hostPath"]["path"] for v in worker_spec["volumes"]}
+    assert workers_host[workers_volume] == host[socket_volume]
+    # one uid for the daemon and every worker (the socket is 0600), and the directories
+    # made the daemon's by an init container that runs as root
+    uid = spec["securityContext"]["runAsUser"]
+    assert worker_spec["securityContext"]["runAsUser"] == uid
+    prepare = spec["initContainers"][0]
+    assert prepare["securityContext"]["runAsUser"] == 0
+    assert prepare["command"][:6] == ["install", "-d", "-o", str(uid), "-g", str(uid)]
+    assert set(prepare["command"][8:]) == {m["mountPath"] for m in prepare["volumeMounts"]} == {
+        str(Path(config.socket_path).parent), config.data_dir}
+    # all of the node's GPUs, beside the workers' claims; CUDA IPC across pods
+    claim = found["ResourceClaimTemplate"][0]["spec"]["spec"]["devices"]["requests"][0]["exactly"]
+    assert claim["allocationMode"] == "All" and claim["adminAccess"] is True
+    namespace = found["Namespace"][0]["metadata"]
+    assert namespace["labels"]["resource.kubernetes.io/admin-access"] == "true"
+    assert found["DaemonSet"][0]["metadata"]["namespace"] == namespace["name"]
+    assert spec["hostPID"] and spec["hostIPC"] and worker_spec["hostPID"] and worker_spec["hostIPC"]
+    assert worker_spec["resourceClaims"][0]["resourceClaimTemplateName"] == \
+        documents("pod.yaml")["ResourceClaimTemplate"][0]["metadata"]["name"]
+    check_ports_and_probes(daemon, template["metadata"]["annotations"], config)
     assert spec["terminationGracePeriodSeconds"] > config.drain_seconds + config.grace_seconds
 
 
@@ -104,6 +160,48 @@ def test_the_images_run_the_daemon_with_flags_it_has_and_expose_its_ports(name):
     assert any(run.startswith("pip install .") for run in image["RUN"])
 
 
+def apt_installs(name: str) -> list[str]:
+    """The packages the Dockerfile's `apt-get install` commands name."""
+    packages = []
+    for run in dockerfile(name).get("RUN", []):
+        for command in run.split("&&"):
+            words = command.split()
+            if words[:2] == ["apt-get", "install"]:
+                packages += [w for w in words[2:] if not w.startswith("-")]
+    return packages
+
+
+def debian_release() -> str:
+    """This machine's Debian release (codename), or "" elsewhere."""
+    try:
+        release = dict(line.split("=", 1) for line in Path("/etc/os-release").read_text().split("\n")
+                       if "=" in line)
+    except OSError:
+        return ""
+    return release.get("VERSION_CODENAME", "").strip('"') if release.get("ID") == "debian" else ""
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_apt_packages_are_pinned_to_versions_of_the_images_debian_release(name):
+    packages = apt_installs(name)
+    assert all(re.fullmatch(r"[a-z0-9.+-]+=\S+", p) for p in packages), packages  # hadolint DL3008
+    if not packages:
+        return
+    # the base image names its Debian release: its pins are that release's
+    release = re.fullmatch(r"python:[\d.]+-slim-(\w+)", dockerfile(name)["FROM"][0]).group(1)
+    if debian_release() != release or shutil.which("apt-cache") is None:
+        pytest.skip(f"the pins are checked on Debian {release} (apt-cache madison)")
+    for package in packages:
+        package, version = package.split("=", 1)
+        known = subprocess.run(["apt-cache", "madison", package], capture_output=True, text=True,
+                               timeout=60).stdout
+        if not known:
+            pytest.skip("apt has no package lists here: run apt-get update")
+        assert version in {line.split("|")[1].strip() for line in known.splitlines()}, (
+            f"{package}={version} is not in Debian {release} (apt-cache madison: {known}): "
+            f"pin the candidate of `apt-cache policy {package}`")
+
+
 def unit() -> dict[str, str]:
     text = re.sub(r"\\\n\s*", " ", (DEPLOY / "systemd" / "tiercache.service").read_text())
     return dict(line.split("=", 1) for line in text.splitlines()
@@ -120,6 +218,10 @@ def test_the_systemd_unit_runs_the_daemon_in_its_own_directories():
     assert host_port(config.metrics_address, "")[0] == "127.0.0.1"  # a host service: local only
     assert settings["KillSignal"] == "SIGTERM"
     assert float(settings["TimeoutStopSec"]) > config.grace_seconds
+    # the venv's Python may live under /home (ProtectHome=yes would hide it); nothing
+    # there is written, and /usr, /etc are read-only too
+    assert settings["ProtectHome"] == "read-only" and settings["ProtectSystem"] == "strict"
+    assert "make env PYTHON=/usr/bin/python3" in (DEPLOY / "systemd" / "tiercache.service").read_text()
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
@@ -146,8 +248,10 @@ def test_prometheus_scrapes_the_ports_the_daemon_serves_metrics_on():
     assert jobs["tiercache"]["static_configs"][0]["targets"] == [local]
     keep = next(r for r in jobs["tiercache-pods"]["relabel_configs"]
                 if r["source_labels"] == ["__meta_kubernetes_pod_container_port_name"])
-    names = {p["name"] for c in pod()["spec"]["initContainers"] for p in c["ports"]}
-    assert keep["action"] == "keep" and keep["regex"] in names
+    for containers in (pod()["spec"]["initContainers"],
+                       documents("daemonset.yaml")["DaemonSet"][0]["spec"]["template"]["spec"]["containers"]):
+        names = {p["name"] for c in containers for p in c.get("ports", ())}
+        assert keep["action"] == "keep" and keep["regex"] in names
 
 
 @needs_promtool

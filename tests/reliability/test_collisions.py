@@ -13,14 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.config import ServiceConfig
-from service.server import start
 from drills import keyed, prompts
 from tiercache.client import Client, EmbeddedClient
 from tiercache.engine import EngineConfig
 from tiercache.errors import InvalidArgument
 from tiercache.hashing import Namespace, narrow_hash_for_tests, page_keys
 from tiercache.tiers.host import HostConfig
+from tests.service.daemon import daemon_in_this_process
 
 NARROW = narrow_hash_for_tests(12)
 PROMPTS = 300
@@ -101,11 +100,8 @@ def test_without_checks_the_same_collisions_serve_another_prompts_bytes():
 @pytest.fixture
 def daemon(tmp_path):
     """A daemon in this process (so that it knows the narrowed hash) on a real socket."""
-    config = ServiceConfig(data_dir=str(tmp_path), disk=False, host_budget=1 << 26,
-                           grace_seconds=1).check()
-    served = start(config)
-    yield served.addresses[0]
-    served.stop()
+    with daemon_in_this_process(tmp_path, disk=False, host_budget=1 << 26) as served:
+        yield served.addresses[0]
 
 
 def test_checks_cross_the_wire_and_a_collision_is_a_miss_through_the_daemon(daemon):
