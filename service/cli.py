@@ -7,14 +7,12 @@ import logging
 import sys
 from dataclasses import fields
 
-from service import config as service_config
-from service import logs, stats_cli
-from service.server import serve
+from service import stats_cli
 from tiercache import __version__
-from tiercache.errors import TiercacheError
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV and SSM state cache daemon")
     parser.add_argument("--version", action="version", version=f"tiercache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -22,11 +20,14 @@ def main(argv: list[str] | None = None) -> int:
         "serve", help="run the daemon until SIGTERM or Ctrl-C",
         description="Each setting comes from the --config TOML file (by its name), its TIERCACHE_* "
                     "variable or its flag, later ones winning.")
-    service_config.add_flags(serve_parser)
     stats_cli.add_parser(commands)
+    if _command(argv) == "stats":  # the daemon's modules (torch, the engine) stay unloaded
+        return stats_cli.run(parser.parse_args(argv))
+    from service import config as service_config, logs
+    from service.server import serve
+    from tiercache.errors import TiercacheError
+    service_config.add_flags(serve_parser)
     args = parser.parse_args(argv)
-    if args.command == "stats":
-        return stats_cli.run(args)
     flags = {f.name: getattr(args, f.name) for f in fields(service_config.ServiceConfig)}
     try:
         config = service_config.load(args.config, flags=flags)
@@ -38,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     except (TiercacheError, RuntimeError, OSError) as error:
         print(f"tiercache: {error}", file=sys.stderr)
         return 2
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named: the first argument that is no option."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@ once, in METRICS; the dashboard and the tests check against it.
 
 The engine's numbers are read when Prometheus scrapes (`EngineCollector`), never copied
 into a second set of counters; only what the engine cannot see, calls and their
-latency, is counted here (`CallMetrics`, fed by service.observe). Labels name RPC
-methods, status codes, tiers and reasons only: never a tenant, a key or a prompt.
+latency, is counted here (`CallMetrics`, fed by service.observe), and lookups by call
+and model (service.lookups, fed by the servicer). Labels name RPC methods, status codes,
+tiers, reasons, and model ids (the first 32; later ones are "other"): never a tenant, a
+key or a prompt.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from tiercache import __version__
+from service.lookups import Lookups
 from tiercache.engine import Engine
 from tiercache.results import Tier
 from tiercache.metrics import BUCKETS, HopStats
@@ -53,6 +56,9 @@ class Metric:
 METRICS = {m.name: m for m in (
     Metric("rpc_requests", "counter", "gRPC calls finished, by service, method and status code.",
            ("service", "method", "code")),
+    Metric("stream_disconnects", "counter", "Streams whose client went away (a worker leaving "
+           "its Register stream, a health Watch ending): normal ends, not failed calls, and not "
+           "in rpc_requests.", ("service", "method")),
     Metric("rpc_duration_seconds", "histogram", "Time to answer a unary gRPC call (Match, Load, "
            "Store, ...), from its arrival to its answer.", ("service", "method")),
     Metric("matches", "counter", "Match calls answered."),
@@ -63,8 +69,19 @@ METRICS = {m.name: m for m in (
            "checkpoint, for layouts without KV pages).", ("tier",)),
     Metric("matched_checkpoints", "counter", "Checkpoints at the end of a Match hit, by the tier "
            "that held each.", ("tier",)),
-    Metric("match_hit_ratio", "gauge", "Matched pages over the pages given to Match, since the "
-           "daemon started."),
+    Metric("lookups", "counter", "Calls that looked up a prompt, by call and model id: match "
+           "(Match), load (a Load no Match of its prompt came before, e.g. the transformers "
+           "adapter), load_after_match (a Load of what a Match just found: its pages were asked "
+           "under that Match). Models past the first 32 count as model=\"other\".",
+           ("call", "model")),
+    Metric("lookup_pages", "counter", "Full pages asked by lookups, by call and model id: a "
+           "Match's prompt, or the pages a Load could take (its kv rows; the prompt without "
+           "paged buffers).", ("call", "model")),
+    Metric("lookup_hit_pages", "counter", "Pages lookups found (Match) or copied into the worker "
+           "(Load), by call and model id.", ("call", "model")),
+    Metric("hit_ratio", "gauge", "Hit pages over asked pages of call=match and call=load "
+           "lookups together (each prompt counted once: load_after_match is left out), by "
+           "model id, since the daemon started.", ("model",)),
     Metric("loads", "counter", "Loads that copied a hit into a worker."),
     Metric("loaded_pages", "counter", "Pages copied into workers by loads."),
     Metric("transfer_bytes", "counter", "Bytes copied between workers and tiers, by hop "
@@ -119,6 +136,12 @@ METRICS = {m.name: m for m in (
     Metric("kv_event_batches", "counter", "KV event batches published to routers."),
     Metric("kv_events_dropped", "counter", "Tier changes dropped before publishing (the queue "
            "was full): routers were told to start over (AllBlocksCleared)."),
+    Metric("rebuild_seconds", "gauge", "Seconds the startup rebuild of the index from the disk "
+           "tier took (0 without a disk tier)."),
+    Metric("rebuild_entries", "gauge", "Entries the startup rebuild indexed from the disk tier."),
+    Metric("flush_seconds", "counter", "Seconds spent flushing the host tier to disk (at "
+           "shutdown; metrics answer until the flush ends)."),
+    Metric("flush_entries", "counter", "Host entries written to disk while flushes ran."),
     Metric("registered_workers", "gauge", "Workers registered now."),
     Metric("ipc_allocations", "gauge", "CUDA allocations of workers that the daemon holds open."),
     Metric("build_info", "gauge", "Always 1; its label is the daemon's version (tiercache "
@@ -135,8 +158,8 @@ _PLAIN = {"matches": "matches", "match_requested_pages": "requested_pages", "loa
           "foreign_entries": "foreign_entries", "disk_write_errors": "disk_write_errors",
           "disk_moved_aside": "disk_moved_aside", "kv_event_batches": "kv_event_batches",
           "kv_events_dropped": "kv_events_dropped"}
-# The counters match_hit_ratio divides.
-_HIT_RATIO = ("matched_pages", "requested_pages")
+# Counters shown as the sum of a labelled metric's series (matched_pages{tier}).
+_SUMMED = {"matched_pages": "matched_pages"}
 # Labelled engine counters: metric -> {label values: counter}.
 _LABELLED = {
     "matched_pages": {(t,): f"matched_pages_{t}" for t in TIERS},
@@ -177,10 +200,11 @@ class EngineCollector:
     """Reads the engine's stats and the worker registry at each scrape."""
 
     def __init__(self, engine: Engine, workers: Callable[[], int],
-                 ipc_allocations: Callable[[], int]) -> None:
+                 ipc_allocations: Callable[[], int], lookups: Lookups) -> None:
         self.engine = engine
         self.workers = workers
         self.ipc_allocations = ipc_allocations
+        self.lookups = lookups
 
     def collect(self) -> Iterator[Family]:
         stats = self.engine.stats()
@@ -192,8 +216,9 @@ class EngineCollector:
             for labels, key in keys.items():  # device series read zero until a device tier
                 family.add_metric(list(labels), counters.get(key, 0))
             yield family
-        matched, asked = (counters.get(name, 0) for name in _HIT_RATIO)
-        yield self._value("match_hit_ratio", matched / asked if asked else 0.0)
+        yield from self.lookups.families(*(_family(n) for n in ("lookups", "lookup_pages",
+                                                                  "lookup_hit_pages", "hit_ratio")))
+        yield from self._chores()
         yield from self._tiers(stats.tiers)
         yield from self._traffic()
         yield self._remote_latency()
@@ -210,6 +235,13 @@ class EngineCollector:
         family = _family(name)
         family.add_metric([], value)
         return family
+
+    def _chores(self) -> Iterator[Family]:
+        rebuilt, flushed = self.engine.rebuilt, self.engine.flushed
+        yield self._value("rebuild_seconds", rebuilt.seconds)
+        yield self._value("rebuild_entries", rebuilt.entries)
+        yield self._value("flush_seconds", flushed.seconds)
+        yield self._value("flush_entries", flushed.entries)
 
     @staticmethod
     def _tiers(tiers) -> Iterator[Family]:
@@ -243,7 +275,9 @@ class CallMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         calls, latency = METRICS["rpc_requests"], METRICS["rpc_duration_seconds"]
+        left = METRICS["stream_disconnects"]
         self.calls = Counter(calls.full_name, calls.help, calls.labels, registry=registry)
+        self.disconnects = Counter(left.full_name, left.help, left.labels, registry=registry)
         self.latency = Histogram(latency.full_name, latency.help, latency.labels,
                                  registry=registry, buckets=CALL_BUCKETS)
 
@@ -260,13 +294,17 @@ class CallMetrics:
                 latency = self._children[(service, method)] = self.latency.labels(service, method)
             latency.observe(seconds)
 
+    def disconnected(self, service: str, method: str) -> None:
+        """A stream whose client went away: a normal end, counted apart from calls."""
+        self.disconnects.labels(service, method).inc()
 
-def registry_for(engine: Engine, workers: Callable[[], int],
-                 ipc_allocations: Callable[[], int]) -> tuple[CollectorRegistry, CallMetrics]:
-    """A registry with the engine's metrics, the call metrics and the process's own
-    (CPU, memory, open files)."""
+
+def registry_for(engine: Engine, workers: Callable[[], int], ipc_allocations: Callable[[], int],
+                 lookups: Lookups) -> tuple[CollectorRegistry, CallMetrics]:
+    """A registry with the engine's metrics, the lookups and calls the servicer counts, and
+    the process's own (CPU, memory, open files)."""
     registry = CollectorRegistry()
-    registry.register(EngineCollector(engine, workers, ipc_allocations))
+    registry.register(EngineCollector(engine, workers, ipc_allocations, lookups))
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     return registry, CallMetrics(registry)

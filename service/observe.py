@@ -1,6 +1,7 @@
 """Every call, watched in one place: its request id is set for the log lines it causes
 and sent back in the trailing metadata, and when it ends its status code and duration
-go to the metrics and one log line. It sits outside service.errors' interceptor, so
+go to the metrics and one log line. A stream whose client went away (a worker leaving
+its Register stream) is a disconnect, logged and counted as one, not a CANCELLED call. It sits outside service.errors' interceptor, so
 it sees the status the client gets."""
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ class _Call:
     def _end(self, context: grpc.ServicerContext, start: float, error: BaseException | None,
              unary: bool) -> None:
         seconds = time.perf_counter() - start
+        if not unary and _left(context, error):
+            # a worker that goes away ends its Register stream so: a normal end, no failure
+            self.metrics.disconnected(self.service, self.method)
+            log.info("%s stream ended: its client disconnected after %.1f s", self.method, seconds,
+                     extra={"data": {"service": self.service, "method": self.method,
+                                     "disconnected": True, "seconds": round(seconds, 3),
+                                     "request_id": self.rid}})
+            return
         code = _status(context, error)
         self.metrics.observe(self.service, self.method, code.name, seconds, unary)
         level = logging.DEBUG if code == grpc.StatusCode.OK else logging.INFO
@@ -99,6 +108,12 @@ class _Call:
                 "service": self.service, "method": self.method, "code": code.name,
                 "ms": round(seconds * 1e3, 3), "request_id": self.rid,
                 **({"details": _text(details)} if details else {})}})
+
+
+def _left(context: grpc.ServicerContext, error: BaseException | None) -> bool:
+    """Whether the client ended the call by going away (no status was set: the server
+    neither failed nor finished it)."""
+    return context.code() is None and (isinstance(error, GeneratorExit) or not context.is_active())
 
 
 def _status(context: grpc.ServicerContext, error: BaseException | None) -> grpc.StatusCode:

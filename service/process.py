@@ -18,7 +18,7 @@ def spawn(data_dir: str | Path, *flags: str,
     """Start `tiercache serve` on a socket in `data_dir`, wait until it listens, yield its
     address; SIGTERM (orderly stop) at the end. Metrics go to a free port (several
     daemons may run at once); `process.startup_line` is the line that says where, and
-    `process.warnings` what the daemon said before it.
+    `process.warnings` what the daemon said before it (warnings, the rebuild of the index).
     What the daemon prints after that stays in its pipe for the caller to read, or, with
     `forward_output`, goes on to this process's stderr: a long run must take it, since a
     daemon whose pipe is full blocks on its next log line."""

@@ -34,6 +34,7 @@ from service.kv_events import KvEventPublisher
 from service.gate import HEALTH_CALLS, CallGate, GateConfig
 from service.handover import Handover, handover_path
 from service.logs import redacted
+from service.lookups import Lookups
 from service.metrics import registry_for
 from service.observe import ObservingInterceptor
 from service.servicer import TiercacheServicer
@@ -71,8 +72,13 @@ class Daemon:
         self.endpoints.stop_health()
         self.handover.stop()
         self.servicer.registry.remove_all()
+        if self.config.flush_on_exit:  # while metrics still answer: a long flush shows there
+            try:
+                self.engine.flush()
+            except Exception:  # the close below flushes again; stopping goes on
+                log.exception("flushing the host tier to disk failed")
         self.endpoints.stop_metrics()  # it reads the engine, which closes now
-        self.engine.close(flush=self.config.flush_on_exit)
+        self.engine.close(flush=self.config.flush_on_exit)  # what stores still running left
         if self.publisher is not None:  # after the engine: its last changes go out too
             self.publisher.stop()
         if os.path.exists(self.config.socket_path):
@@ -115,8 +121,10 @@ def start(config: ServiceConfig) -> Daemon:
     registry = WorkerRegistry(config.max_workers, engine.quiesce, secret,
                               config.max_workers_per_tenant,
                               Limits(min_entry_bytes=config.min_entry_bytes), handover)
-    servicer = TiercacheServicer(engine, registry, config.max_prompt_pages, auth, fleet)
-    metrics, call_metrics = registry_for(engine, registry.__len__, registry.ipc_allocations)
+    lookups = Lookups()
+    servicer = TiercacheServicer(engine, registry, config.max_prompt_pages, auth, fleet, lookups)
+    metrics, call_metrics = registry_for(engine, registry.__len__, registry.ipc_allocations,
+                                         lookups)
     gate = CallGate(auth, GateConfig(config.max_concurrent_rpcs, config.max_calls_per_tenant,
                                      config.request_seconds))
     # threads: the calls the gate lets in, one stream per registered worker, health checks,

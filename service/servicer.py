@@ -14,6 +14,7 @@ import torch
 from service.auth import Authenticator
 from service.groups import GroupRegistry, describe_to_proto
 from service.fleet import Fleet
+from service.lookups import Lookups
 from service.workers import Registration, WorkerRegistry
 from tiercache import trace
 from tiercache.engine import Engine
@@ -51,8 +52,10 @@ def _waiting(context: grpc.ServicerContext) -> bool:
 
 class TiercacheServicer(pb_grpc.TiercacheServicer):
     def __init__(self, engine: Engine, registry: WorkerRegistry, max_prompt_pages: int,
-                 auth: Authenticator | None = None, fleet: Fleet | None = None) -> None:
+                 auth: Authenticator | None = None, fleet: Fleet | None = None,
+                 lookups: Lookups | None = None) -> None:
         self.engine = engine
+        self.lookups = lookups or Lookups()  # Match and Load, by call and model (service/lookups.py)
         self.fleet = fleet or Fleet()  # the remote tier and KV events (service/fleet.py)
         self.registry = registry
         self.max_prompt_pages = max_prompt_pages
@@ -124,14 +127,17 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         if request.group:  # a caller without buffers (vLLM's scheduler) asks for a group
             tenant = self.auth.identify(context).tenant
             match = self.groups.match(tenant, request.group, keys, checks, request.prefetch)
-            return pb.MatchResponse(match=match_to_proto(match))
-        with self._worker(request.worker_id, context) as worker:
-            if worker.group is not None:  # a rank answers for its whole group
-                match = self.groups.match(worker.identity.tenant, worker.group.id, keys, checks,
-                                          request.prefetch)
-            else:
-                match = self.engine.match(worker.layout, worker.engine_keys(keys),
-                                          prefetch=request.prefetch, checks=checks)
+            model = self.groups.describe(tenant, request.group).model_id
+        else:
+            with self._worker(request.worker_id, context) as worker:
+                if worker.group is not None:  # a rank answers for its whole group
+                    match = self.groups.match(worker.identity.tenant, worker.group.id, keys,
+                                              checks, request.prefetch)
+                else:
+                    match = self.engine.match(worker.layout, worker.engine_keys(keys),
+                                              prefetch=request.prefetch, checks=checks)
+                model = worker.namespace.model_id
+        self.lookups.matched(model, request.keys, match.prompt_pages, match.pages)
         return pb.MatchResponse(match=match_to_proto(match))
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
@@ -140,12 +146,15 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             checks = self._checks(request.checks, keys)
             with self._worker(request.worker_id, context) as worker:
                 slot = request.slot if request.HasField("slot") else None
-                keys = worker.engine_keys(keys)
-                result = self.engine.load(worker.buffers, keys, np.asarray(request.kv_rows, np.int64), slot,
+                result = self.engine.load(worker.buffers, worker.engine_keys(keys),
+                                          np.asarray(request.kv_rows, np.int64), slot,
                                           ready=_event(request.ready_event, worker),
                                           # copies into CPU workers are synchronous anyway
                                           asynchronous=request.asynchronous and
                                           worker.buffers.device.type == "cuda", checks=checks)
+                # the pages it could take: as many as its rows, or the prompt without paged buffers
+                asked = min(len(keys), len(request.kv_rows)) if worker.layout.needs_pages else len(keys)
+                self.lookups.loaded(worker.namespace.model_id, request.keys, asked, result.match.pages)
             return load_to_proto(result)
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
@@ -180,6 +189,9 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         self.auth.identify(context)  # figures of every tenant together: callers must be known
         stats = self.engine.stats()
-        counters = {**stats.counters, "ipc_allocations": self.registry.ipc_allocations()}
+        counters = {**stats.counters, **self.lookups.flat(),
+                    "ipc_allocations": self.registry.ipc_allocations()}
+        if self.engine.disk is not None:  # the disk budget is a share of it (`tiercache stats`)
+            counters["disk_map_bytes"] = self.engine.disk.config.map_size
         return pb.StatsResponse(tiers=[tier_stats_to_proto(t) for t in stats.tiers],
                                 counters=counters, workers=len(self.registry))

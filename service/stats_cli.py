@@ -1,55 +1,96 @@
 """`tiercache stats`: the daemon's state as a table (from its Stats call), once, or
-redrawn every few seconds with rates since the last draw."""
+redrawn every few seconds with rates since the last draw; `--json` for scripts.
+
+It imports gRPC and the wire messages only (tiercache.channel), never torch or numpy:
+the command answers in a fraction of a second."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
-from tiercache.client import CacheStats, Client
-from tiercache.errors import TiercacheError
-from tiercache.results import Tier
+import grpc
+
+from service.lookups import hit_rate
+from tiercache.channel import connect
 from tiercache.metrics import HOPS
+from tiercache.results import CacheStats, Tier, TierStats
+from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
-_RATES = (("matches", "matches"), ("requested_pages", "pages asked"),
-          ("matched_pages", "pages matched"), ("loaded_pages", "pages loaded"),
-          ("stored_pages", "pages stored"))
+_RATES = (("matches", "matches"), ("requested_pages", "pages asked (match)"),
+          ("lookup_pages_load", "pages asked (load)"), ("matched_pages", "pages matched"),
+          ("loaded_pages", "pages loaded"), ("stored_pages", "pages stored"))
+_BUDGET_NOTE = ("the disk budget is the share of the LMDB map (--disk-map-size) kept for "
+                "entries, 80%: 12.8 GiB of a 16 GiB map; the rest is room for LMDB's own pages "
+                "(B-tree, free lists, copy-on-write)")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("stats", help="show the daemon's tiers, workers, hit rate and counters")
+    parser = commands.add_parser(
+        "stats", help="show the daemon's tiers, workers, hit rate and counters",
+        description="The daemon's tiers, workers, hit rate and counters. The hit rate counts "
+        "the pages asked by Match calls and by Loads that no Match came before (a Load after "
+        "its Match is not asked twice). Note: " + _BUDGET_NOTE + ".")
     parser.add_argument("--address", default=None, help="the daemon's address, unix:PATH or "
                         "host:port (default: $TIERCACHE_ADDRESS, else the default socket)")
     parser.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                         help="redraw every SECONDS, with rates, until Ctrl-C")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (with "
+                        "--watch, one a line) instead of the table, for scripts")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
 
 
+def read(stub: pb_grpc.TiercacheStub, timeout: float, metadata: tuple) -> CacheStats:
+    reply = stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=metadata)
+    tiers = tuple(TierStats(Tier(t.tier), t.entries, t.used_bytes, t.budget_bytes)
+                  for t in reply.tiers)
+    return CacheStats(tiers, dict(reply.counters), reply.workers)
+
+
 def run(args: argparse.Namespace) -> int:
-    client = Client(args.address, timeout=args.timeout)
     if args.watch is not None and args.watch <= 0:
         print("tiercache stats: --watch takes a positive number of seconds", file=sys.stderr)
         return 2
+    connection = connect(args.address)
+    stub = pb_grpc.TiercacheStub(connection.channel)
     previous: tuple[float, CacheStats] | None = None
     try:
         while True:
-            stats, now = client.stats(), time.monotonic()
+            stats, now = read(stub, args.timeout, connection.metadata), time.monotonic()
+            if args.json:
+                print(json.dumps(as_json(connection.address, stats)), flush=True)
+            elif args.watch is None:
+                print(render(connection.address, stats))
+            else:
+                print(_CLEAR + render(connection.address, stats,
+                                      previous and (now - previous[0], previous[1])), flush=True)
             if args.watch is None:
-                print(render(client.address, stats))
                 return 0
-            print(_CLEAR + render(client.address, stats, previous and (now - previous[0], previous[1])),
-                  flush=True)
             previous = (now, stats)
             time.sleep(args.watch)
-    except TiercacheError as error:
-        print(f"tiercache stats: cannot read the daemon at {client.address}: {error}", file=sys.stderr)
+    except grpc.RpcError as error:
+        print(f"tiercache stats: cannot read the daemon at {connection.address}: "
+              f"{error.details()} ({error.code().name})", file=sys.stderr)  # type: ignore[attr-defined]
         return 2
     except KeyboardInterrupt:
         return 0
     finally:
-        client.close()
+        connection.channel.close()
+
+
+def as_json(address: str, stats: CacheStats) -> dict:
+    """The figures of the table, for scripts: sizes in bytes, the hit rate as a ratio."""
+    hit, asked = hit_rate(stats.counters)
+    return {"address": address, "time": time.time(), "workers": stats.workers,
+            "tiers": [{"tier": t.tier.name.lower(), "entries": t.entries, "used_bytes": t.used_bytes,
+                       "budget_bytes": t.budget_bytes} for t in stats.tiers],
+            "hit_rate": {"hit_pages": hit, "asked_pages": asked,
+                         "ratio": hit / asked if asked else None},
+            "counters": stats.counters}
 
 
 def size(n: float) -> str:
@@ -65,14 +106,16 @@ def render(address: str, stats: CacheStats, since: tuple[float, CacheStats] | No
     c = stats.counters
     lines = [f"tiercache at {address}    {time.strftime('%Y-%m-%d %H:%M:%S')}    "
              f"workers {stats.workers}", "", _tiers(stats)]
-    asked, matched = c.get("requested_pages", 0), c.get("matched_pages", 0)
-    rate = f"{100 * matched / asked:.1f}%" if asked else "-"
+    hit, asked = hit_rate(c)
+    rate = f"{100 * hit / asked:.1f}%" if asked else "-"
     by_tier = "  ".join(f"{t.name.lower()} {c.get(f'matched_pages_{t.name.lower()}', 0):,}"
                         for t in Tier)
-    lines += ["", f"hit rate    {rate}  ({matched:,} of {asked:,} pages asked, "
-                  f"{c.get('matches', 0):,} matches)",
+    lines += ["", f"hit rate    {rate}  ({hit:,} of {asked:,} pages asked by "
+                  f"{c.get('lookups_match', 0):,} matches and {c.get('lookups_load', 0):,} loads "
+                  "without a match)",
               f"matched     pages by tier: {by_tier}",
-              f"loads       {c.get('loads', 0):,} ({c.get('loaded_pages', 0):,} pages)",
+              f"loads       {c.get('loads', 0):,} ({c.get('loaded_pages', 0):,} pages; "
+              f"{c.get('lookups_load_after_match', 0):,} after a match)",
               f"stored      pages {c.get('stored_pages', 0):,}  checkpoints "
               f"{c.get('stored_checkpoints', 0):,}  declined {c.get('declined_checkpoints', 0):,}"
               f"  no room {c.get('skipped_pages', 0) + c.get('skipped_checkpoints', 0):,}",
@@ -98,6 +141,11 @@ def _tiers(stats: CacheStats) -> str:
         share = f"{100 * tier.used_bytes / tier.budget_bytes:.1f}" if tier.budget_bytes else "-"
         rows.append(f"{tier.tier.name.lower():<8}{tier.entries:>12,}{size(tier.used_bytes):>14}"
                     f"{size(tier.budget_bytes):>14}{share:>9}")
+    disk = next((t for t in stats.tiers if t.tier == Tier.DISK), None)
+    mapped = stats.counters.get("disk_map_bytes", 0)
+    if disk is not None and mapped:  # why a 16 GiB map shows a 12.8 GiB budget
+        rows.append(f"(disk budget: {100 * disk.budget_bytes / mapped:.0f}% of the "
+                    f"{size(mapped)} LMDB map; the rest is room for LMDB's own pages)")
     return "\n".join(rows)
 
 

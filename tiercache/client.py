@@ -34,11 +34,12 @@ import numpy as np
 import torch
 
 from tiercache.buffers import WorkerBuffers
+from tiercache.channel import DEFAULT_ADDRESS, Tls, connect  # noqa: F401 (the API names both here too)
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
 from tiercache.group import Group, GroupMember
 from tiercache.hashing import (Chain, Keys, Namespace, PageKey, key_array, page_chain, page_keys,
                                token_array)
-from tiercache.results import LoadResult, Match, StoreResult, Tier, TierStats
+from tiercache.results import CacheStats, LoadResult, Match, StoreResult, Tier
 from tiercache.layout import Layout
 from tiercache.regions import SharedRegion, region_locations
 from tiercache.shm import SharedBuffers
@@ -50,35 +51,7 @@ from tiercache.wire import (error_of, layout_to_proto, load_from_proto, match_fr
 if TYPE_CHECKING:  # the engine (LMDB, the movers) loads only for the embedded client
     from tiercache.engine import Engine, EngineConfig
 
-DEFAULT_ADDRESS = "unix:./tiercache-data/tiercache.sock"
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    tiers: tuple[TierStats, ...]
-    counters: dict[str, int]
-    workers: int
-
-
-@dataclass(frozen=True)
-class Tls:
-    """TLS for a TCP connection: the CA that signed the daemon's certificate, and for mTLS
-    this worker's certificate and key (PEM files)."""
-
-    ca_file: str
-    cert_file: str = ""
-    key_file: str = ""
-    server_name: str = ""  # the name in the daemon's certificate, if not the address's host
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        def read(path: str) -> bytes | None:
-            if not path:
-                return None
-            with open(path, "rb") as f:
-                return f.read()
-        return grpc.ssl_channel_credentials(read(self.ca_file), read(self.key_file),
-                                            read(self.cert_file))
 
 
 @dataclass(frozen=True)
@@ -267,22 +240,14 @@ class Client:
     def __init__(self, address: str | None = None, timeout: float = 30.0,
                  max_message_bytes: int = 16 << 20, token: str | None = None,
                  tls: Tls | None = None, handover: str | None = None) -> None:
-        self.address = address or os.environ.get("TIERCACHE_ADDRESS", DEFAULT_ADDRESS)
+        connection = connect(address, max_message_bytes, token, tls)
+        self.address = connection.address
         self.timeout = timeout
         # where CPU workers hand their shared memory over: beside the daemon's Unix socket
         self.handover = handover or os.environ.get("TIERCACHE_HANDOVER") or (
             self.address.removeprefix("unix:") + ".fds" if self.address.startswith("unix:") else None)
-        token = token if token is not None else os.environ.get("TIERCACHE_TOKEN", "")
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes),
-                   # a restarted daemon is found within a second, not gRPC's two minutes
-                   ("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
-        if tls is not None and tls.server_name:
-            options.append(("grpc.ssl_target_name_override", tls.server_name))
-        self._channel = (grpc.secure_channel(self.address, tls.credentials(), options)
-                         if tls is not None else grpc.insecure_channel(self.address, options))
+        self._metadata = connection.metadata
+        self._channel = connection.channel
         self._stub = pb_grpc.TiercacheStub(self._channel)
         self._regions: list[SharedRegion] = []
 

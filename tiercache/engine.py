@@ -11,6 +11,7 @@ whole (invariant 2), and entries a load or a move reads are pinned until it ends
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from itertools import groupby
@@ -22,6 +23,7 @@ from tiercache import trace
 from tiercache.background import Background, Mover
 from tiercache.books import Books
 from tiercache.buffers import WorkerBuffers, row_ids
+from tiercache.chores import ChoreStats, watched
 from tiercache.errors import InvalidArgument
 from tiercache.hashing import Keys, distinct_keys, key_array
 from tiercache.index import Index
@@ -76,6 +78,8 @@ class Engine:
         self.stores = Stores(self.books, self.mover, self.background, self.traffic, policy.admission)
         self.remote: RemoteTier | None = None
         self.events: EventLog | None = None  # KV events, once attached
+        self.rebuilt = ChoreStats()  # the index rebuilt from disk at open
+        self.flushed = ChoreStats()  # host entries flushed to disk (at close)
 
     @property
     def index(self) -> Index:
@@ -112,16 +116,23 @@ class Engine:
         self.promotions.accepting = self.background.running
 
     def _rebuild(self, disk: DiskTier) -> None:
-        """Index what the disk holds, oldest first, one stamp per original write."""
-        batches = groupby(disk.scan(), key=lambda r: (r.created_ns, r.kind, r.nbytes))
-        created, stamp = None, 0
-        for (when, kind, nbytes), records in batches:
-            if when != created:
-                created, stamp = when, self.index.tick()
-            batch = list(records)
-            self.books.publish(kind, key_array([r.key for r in batch]), np.array([r.depth for r in batch]),
-                               nbytes, Tier.DISK, None, stamp,
-                               checks=np.array([r.check for r in batch], np.uint64))
+        """Index what the disk holds, oldest first, one stamp per original write: every
+        header is read, then indexed (progress counts headers read, then entries indexed)."""
+        reading, indexed = True, 0
+        with watched(self.rebuilt, f"rebuilding the index from the disk tier at {disk.config.path}",
+                     disk.headers(), lambda: disk.scanned if reading else indexed):
+            records = disk.scan()
+            reading = False
+            batches = groupby(records, key=lambda r: (r.created_ns, r.kind, r.nbytes))
+            created, stamp = None, 0
+            for (when, kind, nbytes), group in batches:
+                if when != created:
+                    created, stamp = when, self.index.tick()
+                batch = list(group)
+                self.books.publish(kind, key_array([r.key for r in batch]),
+                                   np.array([r.depth for r in batch]), nbytes, Tier.DISK, None, stamp,
+                                   checks=np.array([r.check for r in batch], np.uint64))
+                indexed += len(batch)
 
     # -- lifetime ---------------------------------------------------------------------------
     def drain(self) -> None:
@@ -144,9 +155,13 @@ class Engine:
         if self.books.device is not None:  # device entries go down through the host
             self.background.stored_on_device(self.books.index_rows(Tier.DEVICE))
             self.background.drain()
-        before = self.books.counters.disk_writes
-        self.background.write_soon(self.books.dirty())
-        self.background.drain()
+        before, dirty = self.books.counters.disk_writes, self.books.dirty()
+        # a flush with nothing to write (the second one of a close) is no news
+        with watched(self.flushed, "flushing the host tier to disk", len(dirty),
+                     lambda: self.books.counters.disk_writes - before,
+                     logging.INFO if len(dirty) else logging.DEBUG):
+            self.background.write_soon(dirty)
+            self.background.drain()
         return self.books.counters.disk_writes - before
 
     def close(self, flush: bool = True) -> None:

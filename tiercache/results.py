@@ -85,3 +85,12 @@ class EngineStats:
     tiers: tuple[TierStats, ...]
     counters: dict[str, int]
     alpha: float | None = None  # the FLOP-aware policy's weight now (None for LRU)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """What a Stats call answers: the tiers, the counters by flat name, workers registered."""
+
+    tiers: tuple[TierStats, ...]
+    counters: dict[str, int]
+    workers: int

@@ -1,6 +1,7 @@
 """Log lines: JSON objects from a real daemon, one startup line with the effective
-configuration, every call's line carrying its request id; the text format and the
-masking of secrets in-process."""
+configuration, every call's line carrying its request id, a worker's disconnect, the
+shutdown flush and the startup rebuild; the text format and the masking of secrets
+in-process."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import grpc
 
 from service.config import ServiceConfig
 from service.logs import REQUEST_ID, JsonFormatter, TextFormatter, redacted, request_id
-from tests.service.daemon import running_daemon
+from tests.service.daemon import metrics_url, running_daemon, scrape
+from tests.service.worker_process import LAYOUT, prompt
+from tiercache.client import Client
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
@@ -108,3 +111,40 @@ def test_a_request_that_cannot_be_parsed_is_one_warning_line_not_a_traceback(tmp
     warnings = [line for line in output.splitlines() if "could not be parsed" in line]
     assert len(warnings) == 3 and all(" WARNING grpc._common: " in line for line in warnings)
     assert "Traceback" not in output and "ERROR" not in output
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_a_disconnect_the_shutdown_flush_and_the_startup_rebuild_each_say_what_they_did(tmp_path):
+    with running_daemon(tmp_path, "--log-format", "json") as (address, process):
+        # 1. a worker stores a prompt (6 pages and a checkpoint), then goes away
+        worker = Client(address).register("test-model", LAYOUT)
+        worker.store(prompt(0), kv_rows=range(6), checkpoints={96: 0})
+        worker.close()
+        # 2. a fresh disk: nothing was rebuilt
+        assert "tiercache_rebuild_entries 0.0" in scrape(metrics_url(process))
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    lines = json_lines(output)
+    # 3. the disconnect: one INFO line that says so, no Register CANCELLED
+    left = [line for line in lines if line.get("method") == "Register"]
+    assert [(x["level"], x["message"].split(" after ")[0], x["disconnected"]) for x in left] == [
+        ("info", "Register stream ended: its client disconnected", True)]
+    assert not any(line.get("code") == "CANCELLED" for line in lines)
+    # 4. the flush at shutdown: what, how much, how long
+    flush = [x for x in lines if x["message"].startswith("flushing the host tier to disk")]
+    assert [x["message"].split(" in ")[0] for x in flush] == [
+        "flushing the host tier to disk: 7 entries",
+        "flushing the host tier to disk: done, 7 entries"]
+    assert flush[-1]["entries"] == 7 and flush[-1]["seconds"] >= 0
+    # 5. started again: the rebuild indexes the 7 entries, logged before it listens, and shown
+    with running_daemon(tmp_path, "--log-format", "json") as (address, process):
+        rebuild = [x for x in json_lines("".join(process.warnings))
+                   if x["message"].startswith("rebuilding the index")]
+        assert [x["message"].split(": ", 1)[1].split(" in ")[0] for x in rebuild] == [
+            "7 entries", "done, 7 entries"]
+        shown = scrape(metrics_url(process))
+        assert "tiercache_rebuild_entries 7.0" in shown
+        assert float(re.search(r"^tiercache_rebuild_seconds (\S+)$", shown, re.M).group(1)) > 0

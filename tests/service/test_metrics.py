@@ -5,11 +5,13 @@ carries anything a client chose."""
 from __future__ import annotations
 
 import subprocess
+import time
 
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.lookups import CALLS, OTHER_MODEL
 from service.metrics import METRICS, PREFIX, TIERS
 from tests.service.daemon import metrics_url, needs_promtool, running_daemon, scrape
 from tests.service.worker_process import LAYOUT, prompt
@@ -60,6 +62,13 @@ def hop(source: str, destination: str, nbytes: int, copies: int) -> dict[tuple, 
               le="+Inf"): copies}
 
 
+def lookup(call: str, model: str, asked: int, hit: int) -> dict[tuple, float]:
+    """What one lookup of `asked` pages that hit `hit` adds."""
+    return {s("tiercache_lookups_total", call=call, model=model): 1,
+            s("tiercache_lookup_pages_total", call=call, model=model): asked,
+            s("tiercache_lookup_hit_pages_total", call=call, model=model): hit}
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     with running_daemon(tmp_path_factory.mktemp("daemon")) as (address, process):
@@ -92,13 +101,15 @@ def test_a_scripted_store_match_and_load_move_exactly_their_series(daemon):
         s("tiercache_matched_pages_total", tier="host"): 6,
         s("tiercache_matched_tokens_total", tier="host"): 96,
         s("tiercache_matched_checkpoints_total", tier="host"): 1,
-        s("tiercache_match_hit_ratio"): 1.0}
-    # 3. load it into other rows: the same bytes go host -> worker, in one timed copy
+        **lookup("match", "test-model", 6, 6), s("tiercache_hit_ratio", model="test-model"): 1.0}
+    # 3. load what the match found into other rows: the same bytes go host -> worker, in
+    # one timed copy; a load after its match, so its pages are not asked a second time
     worker.load(prompt(0), kv_rows=range(10, 16), slot=3)
     loaded = series(scrape(url))
     assert changes(matched, loaded) == {
         **rpc("Load"), **hop("host", "worker", whole, 1),
-        s("tiercache_loads_total"): 1, s("tiercache_loaded_pages_total"): 6}
+        s("tiercache_loads_total"): 1, s("tiercache_loaded_pages_total"): 6,
+        **lookup("load_after_match", "test-model", 6, 6)}
     # 4. a load for a worker that never registered: counted under its status, nothing else
     stub = pb_grpc.TiercacheStub(grpc.insecure_channel(address))
     with pytest.raises(grpc.RpcError) as failed:
@@ -108,11 +119,47 @@ def test_a_scripted_store_match_and_load_move_exactly_their_series(daemon):
     worker.close()
 
 
+def test_a_load_without_a_match_counts_in_the_hit_rate(daemon):
+    address, url = daemon
+    worker = Client(address).register("loads-only", LAYOUT)
+    worker.store(prompt(4), kv_rows=range(6), checkpoints={96: 0})
+    before = series(scrape(url))
+    # 1. loaded straight away, as the transformers adapter and the demo do: 6 pages asked
+    # (rows for 8, but the prompt has 6 full pages), all 6 copied
+    assert worker.load(prompt(4), kv_rows=range(10, 18), slot=3).match.pages == 6
+    # 2. a prompt nobody stored, loaded: 6 pages asked, none found
+    assert worker.load(prompt(5), kv_rows=range(10, 18), slot=3).match.pages == 0
+    after = series(scrape(url))
+    moved = changes(before, after)
+    assert {k: v for k, v in moved.items() if "lookup" in k[0] or "hit_ratio" in k[0]} == {
+        s("tiercache_lookups_total", call="load", model="loads-only"): 2,
+        s("tiercache_lookup_pages_total", call="load", model="loads-only"): 12,
+        s("tiercache_lookup_hit_pages_total", call="load", model="loads-only"): 6,
+        s("tiercache_hit_ratio", model="loads-only"): 0.5}
+    # 3. Match's own figures did not move: no Match was called
+    assert s("tiercache_match_requested_pages_total") not in moved
+    worker.close()
+
+
+def test_a_worker_that_goes_away_is_a_disconnect_not_a_failed_call(daemon):
+    address, url = daemon
+    before = series(scrape(url))
+    # 1. a worker registers, then goes away: its Register stream ends from its side
+    Client(address).register("test-model", LAYOUT).close()
+    left = s("tiercache_stream_disconnects_total", service=TIERCACHE, method="Register")
+    deadline = time.monotonic() + 30  # the daemon sees the stream end within a second or so
+    while left not in changes(before, series(scrape(url))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # 2. counted as a disconnect, and as no call at all: no Register CANCELLED
+    assert changes(before, series(scrape(url))) == {left: 1}
+
+
 def test_labels_carry_only_names_the_daemon_chose(daemon):
     address, url = daemon
     # a tenant-looking model id, extra keys and a request id that a client chose
     worker = Client(address).register("tenant-acme/secret-model", LAYOUT, extra_keys=("lora-42",))
     worker.store(prompt(1), kv_rows=range(6), checkpoints={96: 0})
+    worker.match(prompt(1))  # its model id becomes a label
     worker.close()
     allowed = {"tier": set(TIERS), "source": set(PLACES), "destination": set(PLACES),
                "service": {TIERCACHE, "grpc.health.v1.Health",
@@ -126,7 +173,10 @@ def test_labels_carry_only_names_the_daemon_chose(daemon):
                "operation": set(OPERATIONS), "version": {__version__}}
     declared = {m.full_name: m for m in METRICS.values()}
     text = scrape(url)
-    assert not any(chosen in text for chosen in ("acme", "secret-model", "lora-42", "test-model"))
+    # model ids are the one thing a client names that becomes a label (bounded: service.lookups)
+    assert "lora-42" not in text and 'model="tenant-acme/secret-model"' in text
+    allowed["model"] = {"test-model", "loads-only", "tenant-acme/secret-model", OTHER_MODEL}
+    allowed["call"] = set(CALLS)
     for family in text_string_to_metric_families(text):
         if not family.name.startswith(PREFIX):
             continue

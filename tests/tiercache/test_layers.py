@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # lowest first; a module may import its own layer and those below
 LAYERS = [
-    {"errors", "failpoints", "flops", "v1", "trace"},
+    {"errors", "failpoints", "flops", "v1", "trace", "channel"},
     {"keymap", "hashing", "layout", "results"},
-    {"counters", "metrics", "tenancy", "buffers", "shm", "cuda_ipc", "kernels",
+    {"counters", "metrics", "chores", "tenancy", "buffers", "shm", "cuda_ipc", "kernels",
      "tiers.arena", "tiers.lmdb_format", "events", "tiers.remote.entry", "tiers.remote.resp",
      "tiers.remote.incidents", "tiers.remote.store", "tiers.remote.redis_cluster",
      "tiers.remote.adapters"},

@@ -107,6 +107,7 @@ class DiskTier:
         self.used_bytes = 0
         self.checksum_failures = 0
         self.write_errors = 0  # writes the disk refused (ENOSPC, EIO): counted, logged once
+        self.scanned = 0  # headers the last scan has read so far (its progress)
         self._failing_until = 0.0  # while the disk refuses writes: when to try again
         self.moved_aside = moved_aside  # where a damaged environment went at open, if one did
         self._owner = owner  # the lock that makes this process the environment's only user
@@ -222,12 +223,19 @@ class DiskTier:
         with self.env.begin(buffers=True) as txn:
             yield DiskReader(txn, self)
 
+    def headers(self) -> int:
+        """How many entry headers the environment holds (sound or not), without reading them."""
+        with self.env.begin() as txn:
+            return int(txn.stat(self.meta_db)["entries"])
+
     def scan(self) -> list[DiskRecord]:
         """Every entry whose header is sound, oldest first; damaged headers are dropped."""
         records: list[DiskRecord] = []
         damaged: list[bytes] = []
+        self.scanned = 0
         with self.env.begin() as txn:
             for dkey, header in txn.cursor(db=self.meta_db):
+                self.scanned += 1
                 kind = lmdb_format.kind_of(dkey)
                 parsed = None if kind is None else lmdb_format.parse(kind, dkey[1:], header)
                 if kind is None or parsed is None:
