@@ -17,7 +17,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.common import print_summary, print_table
-from service.process import spawn
+from tiercache_service.process import spawn
 from tiercache.client import Client
 from tiercache.layout import BufferSpec, Layout
 

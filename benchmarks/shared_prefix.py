@@ -63,8 +63,8 @@ from benchmarks.hybrid_model import MODELS, ModelSize, build, clock
 from benchmarks.hybrid_reload import reload_row
 from benchmarks.shared_prefix_report import (
     Request, profile_table, progress, summary, targets, ttft_table)
-from service.config import parse_bytes
-from service.process import spawn
+from tiercache_service.config import parse_bytes
+from tiercache_service.process import spawn
 from tiercache.client import Client, EmbeddedClient
 from tiercache.engine import EngineConfig
 from tiercache.integrations.transformers import (

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import median_seconds, print_summary, print_table
-from service.process import spawn
+from tiercache_service.process import spawn
 from tiercache.client import Client
 from tiercache.layout import BufferSpec, Layout
 

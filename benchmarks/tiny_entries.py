@@ -16,7 +16,7 @@ import argparse
 import tempfile
 
 from benchmarks.common import print_summary, print_table
-from service.process import spawn
+from tiercache_service.process import spawn
 from tiercache.client import Client
 from tiercache.layout import BufferSpec, Layout
 

@@ -96,7 +96,7 @@ def start_daemon(data_dir: Path, log: Path, failpoints: str) -> tuple[subprocess
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TIERCACHE_FAILPOINTS": failpoints}
     before = log.stat().st_size if log.exists() else 0  # the log of this start only
     with open(log, "a") as out:
-        process = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--data-dir",
+        process = subprocess.Popen([sys.executable, "-m", "tiercache_service.cli", "serve", "--data-dir",
                                     str(data_dir), "--socket", str(socket), "--metrics-address",
                                     "127.0.0.1:0", *FLAGS],
                                    stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

@@ -48,11 +48,11 @@ from hypothesis import strategies as st
 
 from benchmarks.common import print_summary, print_table
 from drills.context import Aborted, Context
-from service.auth import Authenticator, Tenant, _digest
-from service.errors import ErrorInterceptor
-from service.handover import Handover
-from service.servicer import TiercacheServicer
-from service.workers import WorkerRegistry
+from tiercache_service.auth import Authenticator, Tenant, _digest
+from tiercache_service.errors import ErrorInterceptor
+from tiercache_service.handover import Handover
+from tiercache_service.servicer import TiercacheServicer
+from tiercache_service.workers import WorkerRegistry
 from drills import keyed, prompts
 from tiercache import invariants
 from tiercache.engine import Engine, EngineConfig
@@ -454,7 +454,7 @@ METHODS = ("Register", "Unregister", "Match", "Load", "Store", "Evict", "Stats")
 def run_raw(messages: int, seed: int = 0) -> tuple[collections.Counter, bool]:
     """Random bytes as requests to every method of a daemon process; (codes, whether the
     daemon still serves afterwards)."""
-    from service.process import spawn
+    from tiercache_service.process import spawn
     from tiercache.client import Client
     rng = np.random.default_rng(seed)
     codes: collections.Counter = collections.Counter()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.common import print_summary, print_table
-from service.process import spawn
+from tiercache_service.process import spawn
 from tiercache.client import Client
 
 ROOT = Path(__file__).resolve().parents[1]

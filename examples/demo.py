@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import xxhash
 
-from service.process import spawn
+from tiercache_service.process import spawn
 from tiercache.client import Client
 from tiercache.layout import BufferSpec, Layout
 

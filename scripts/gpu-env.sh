@@ -1,11 +1,13 @@
 # Sourced by the GPU scripts: a GPU machine may have no network and no virtual
 # environment. Wheels brought along in .whl (make wheels) go to /tmp/tiercache-site.
+# The daemon's package is service/, imported as tiercache_service (pyproject.toml's
+# package-dir): a link in that folder names it so without installing the project.
+mkdir -p /tmp/tiercache-site
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/tiercache-site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/tiercache-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
+ln -sfn "$PWD/service" /tmp/tiercache-site/tiercache_service
+export PYTHONPATH="/tmp/tiercache-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no GPU here'" || exit 1

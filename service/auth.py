@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 import grpc
 
-from service.config import read_toml
+from tiercache_service.config import read_toml
 from tiercache.tenancy import check_private
 from tiercache.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from tiercache.hashing import HASHES

@@ -7,7 +7,7 @@ import logging
 import sys
 from dataclasses import fields
 
-from service import stats_cli
+from tiercache_service import stats_cli
 from tiercache import __version__
 
 
@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     stats_cli.add_parser(commands)
     if _command(argv) == "stats":  # the daemon's modules (torch, the engine) stay unloaded
         return stats_cli.run(parser.parse_args(argv))
-    from service import config as service_config, logs
-    from service.server import serve
+    from tiercache_service import config as service_config, logs
+    from tiercache_service.server import serve
     from tiercache.errors import TiercacheError
     service_config.add_flags(serve_parser)
     args = parser.parse_args(argv)

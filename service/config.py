@@ -18,9 +18,9 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from service import tls
-from service.kv_events import KvEventsConfig
-from service.settings import BYTES, SECONDS, Setting, Source, declared, parse_bytes, setting
+from tiercache_service import tls
+from tiercache_service.kv_events import KvEventsConfig
+from tiercache_service.settings import BYTES, SECONDS, Setting, Source, declared, parse_bytes, setting
 from tiercache.engine import EngineConfig
 from tiercache.hashing import HASHES
 from tiercache.errors import InvalidArgument

@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from service.config import ServiceConfig, host_port
+from tiercache_service.config import ServiceConfig, host_port
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.workers import Registration
+from tiercache_service.workers import Registration
 from tiercache.errors import InvalidArgument
 from tiercache.events import EventLog
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from service.auth import Authenticator
+from tiercache_service.auth import Authenticator
 from tiercache.errors import DeadlineExceeded, ResourceExhausted, TiercacheError
 from tiercache.wire import details_of, status_of
 

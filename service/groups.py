@@ -30,7 +30,7 @@ from tiercache.results import Match, StopReason
 from tiercache.v1 import tiercache_pb2 as pb
 
 if TYPE_CHECKING:
-    from service.workers import Registration, WorkerRegistry
+    from tiercache_service.workers import Registration, WorkerRegistry
 
 _GROUP_FINGERPRINT = "tiercache/group/v1"  # stands for the layout in the group's root
 _MAX_GROUP_SIZE = 4096

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from service import kv_encoding
+from tiercache_service import kv_encoding
 from tiercache.errors import InvalidArgument
 from tiercache.events import REMOTE_MEDIUM, EventLog
 

@@ -21,7 +21,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from tiercache import __version__
-from service.lookups import Lookups
+from tiercache_service.lookups import Lookups
 from tiercache.engine import Engine
 from tiercache.results import Tier
 from tiercache.metrics import BUCKETS, HopStats

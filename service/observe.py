@@ -12,8 +12,8 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from service.logs import REQUEST_ID, REQUEST_ID_HEADER, request_id
-from service.metrics import CallMetrics
+from tiercache_service.logs import REQUEST_ID, REQUEST_ID_HEADER, request_id
+from tiercache_service.metrics import CallMetrics
 
 log = logging.getLogger("tiercache.calls")
 

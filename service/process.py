@@ -23,7 +23,7 @@ def spawn(data_dir: str | Path, *flags: str,
     `forward_output`, goes on to this process's stderr: a long run must take it, since a
     daemon whose pipe is full blocks on its next log line."""
     socket = Path(data_dir) / "tiercache.sock"
-    command = [sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data_dir),
+    command = [sys.executable, "-m", "tiercache_service.cli", "serve", "--data-dir", str(data_dir),
                "--socket", str(socket), "--metrics-address", "127.0.0.1:0", *flags]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -24,21 +24,21 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service import tls
-from service.auth import Authenticator, load_tenants
-from service.config import ServiceConfig
-from service.endpoints import Endpoints
-from service.errors import ErrorInterceptor
-from service.fleet import Fleet, names
-from service.kv_events import KvEventPublisher
-from service.gate import HEALTH_CALLS, CallGate, GateConfig
-from service.handover import Handover, handover_path
-from service.logs import redacted
-from service.lookups import Lookups
-from service.metrics import registry_for
-from service.observe import ObservingInterceptor
-from service.servicer import TiercacheServicer
-from service.workers import Limits, WorkerRegistry
+from tiercache_service import tls
+from tiercache_service.auth import Authenticator, load_tenants
+from tiercache_service.config import ServiceConfig
+from tiercache_service.endpoints import Endpoints
+from tiercache_service.errors import ErrorInterceptor
+from tiercache_service.fleet import Fleet, names
+from tiercache_service.kv_events import KvEventPublisher
+from tiercache_service.gate import HEALTH_CALLS, CallGate, GateConfig
+from tiercache_service.handover import Handover, handover_path
+from tiercache_service.logs import redacted
+from tiercache_service.lookups import Lookups
+from tiercache_service.metrics import registry_for
+from tiercache_service.observe import ObservingInterceptor
+from tiercache_service.servicer import TiercacheServicer
+from tiercache_service.workers import Limits, WorkerRegistry
 from tiercache import __version__, failpoints, tenancy
 from tiercache.engine import Engine
 from tiercache.events import EventLog

@@ -11,11 +11,11 @@ import grpc
 import numpy as np
 import torch
 
-from service.auth import Authenticator
-from service.groups import GroupRegistry, describe_to_proto
-from service.fleet import Fleet
-from service.lookups import Lookups
-from service.workers import Registration, WorkerRegistry
+from tiercache_service.auth import Authenticator
+from tiercache_service.groups import GroupRegistry, describe_to_proto
+from tiercache_service.fleet import Fleet
+from tiercache_service.lookups import Lookups
+from tiercache_service.workers import Registration, WorkerRegistry
 from tiercache import trace
 from tiercache.engine import Engine
 from tiercache.errors import DeadlineExceeded, InvalidArgument

@@ -1,6 +1,6 @@
 """What a setting is: its declaration (default, one line of help, unit, allowed words),
 how a value is read from a TOML file or from text (the environment, flags), how it is
-written back for a person, and what is wrong with it. service.config declares the
+written back for a person, and what is wrong with it. tiercache_service.config declares the
 daemon's settings with it; nothing here knows which settings there are."""
 
 from __future__ import annotations

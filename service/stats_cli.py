@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from service.lookups import hit_rate
+from tiercache_service.lookups import hit_rate
 from tiercache.channel import connect
 from tiercache.metrics import HOPS
 from tiercache.results import CacheStats, Tier, TierStats

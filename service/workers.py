@@ -14,8 +14,8 @@ from typing import Callable, Iterator, Protocol, Sequence
 import numpy as np
 import torch
 
-from service.auth import Identity
-from service.groups import Membership, member_keys, membership_of
+from tiercache_service.auth import Identity
+from tiercache_service.groups import Membership, member_keys, membership_of
 from tiercache import cuda_ipc, shm, tenancy
 from tiercache.buffers import WorkerBuffers
 from tiercache.errors import (InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from service.config import ServiceConfig
+from tiercache_service.config import ServiceConfig
 from tests.service.daemon import ROOT, running_daemon
 
 

@@ -3,7 +3,7 @@
     failpoints.hit("store.before_publish")          # in the code: free when nothing is armed
 
 A point does nothing until it is armed, in this process (`armed`, for tests) or in a
-daemon from its environment (read once, at start, by service.server.serve):
+daemon from its environment (read once, at start, by tiercache_service.server.serve):
 
     TIERCACHE_FAILPOINTS="disk.before_commit=raise(0.1);store.before_publish=kill(0.01)"
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service import config as service_config
-from service.config import ServiceConfig, host_port
-from service.metrics import METRICS
-from service.server import SERVICE_NAME
+from tiercache_service import config as service_config
+from tiercache_service.config import ServiceConfig, host_port
+from tiercache_service.metrics import METRICS
+from tiercache_service.server import SERVICE_NAME
 from tests.service.daemon import needs_promtool
-from service.handover import handover_path
+from tiercache_service.handover import handover_path
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

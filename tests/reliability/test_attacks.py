@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
-from service.handover import handover_path
+from tiercache_service.handover import handover_path
 from drills import certs, keyed, prompts
 from tests.service.daemon import running_daemon
 from tiercache import shm

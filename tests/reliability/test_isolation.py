@@ -15,8 +15,8 @@ import socket
 import grpc
 import pytest
 
-from service.auth import Authenticator, Tenant, load_tenants
-from service.handover import handover_path
+from tiercache_service.auth import Authenticator, Tenant, load_tenants
+from tiercache_service.handover import handover_path
 from drills import certs, keyed, prompts
 from tests.service.daemon import running_daemon
 from tiercache.client import Client, Tls

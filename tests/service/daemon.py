@@ -17,9 +17,9 @@ from typing import Iterator
 
 import pytest
 
-from service.config import ServiceConfig
-from service.process import spawn
-from service.server import Daemon, start
+from tiercache_service.config import ServiceConfig
+from tiercache_service.process import spawn
+from tiercache_service.server import Daemon, start
 
 ROOT = Path(__file__).resolve().parents[2]
 # promtool comes with Debian's prometheus package, which .ci/run installs: CI never skips

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from service.config import SERVICE_LINK, SETTINGS, ServiceConfig, load, markdown_table, parse_bytes
-from service.settings import BYTES
+from tiercache_service.config import SERVICE_LINK, SETTINGS, ServiceConfig, load, markdown_table, parse_bytes
+from tiercache_service.settings import BYTES
 from tests.service.daemon import ROOT, running_daemon
 from tiercache.errors import InvalidArgument
 
@@ -109,7 +109,7 @@ def test_every_setting_is_declared_with_help_a_default_and_a_unit():
 
 
 def test_the_help_shows_every_setting_with_its_help_default_unit_and_variable():
-    done = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--help"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "tiercache_service.cli", "serve", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COLUMNS": "2000"})  # one line a flag
     assert done.returncode == 0, done.stderr
@@ -129,12 +129,12 @@ def test_the_readme_lists_every_setting_as_declared():
     readme = (ROOT / "README.md").read_text()
     assert markdown_table() in readme, (
         "README.md's table of settings differs from the declaration: paste in the output of "
-        "python -c 'import service.config as c; print(c.markdown_table())'")
+        "python -c 'import tiercache_service.config as c; print(c.markdown_table())'")
 
 
 def serve(data_dir: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`tiercache serve` that is expected to refuse: its exit and what it said."""
-    return subprocess.run([sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data_dir),
+    return subprocess.run([sys.executable, "-m", "tiercache_service.cli", "serve", "--data-dir", str(data_dir),
                            "--metrics-address", "", "--no-disk", *flags], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from service.metrics import _LABELLED, _PLAIN, _SUMMED
+from tiercache_service.metrics import _LABELLED, _PLAIN, _SUMMED
 from tiercache.counters import Counters
 
 

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from service.config import ServiceConfig, host_port, load
+from tiercache_service.config import ServiceConfig, host_port, load
 from tests.service.daemon import running_daemon
 from tiercache.errors import InvalidArgument
 

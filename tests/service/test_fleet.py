@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from service.fleet import ALL_TENANTS, Fleet, names
+from tiercache_service.fleet import ALL_TENANTS, Fleet, names
 from tiercache.events import Change, EventLog
 from tiercache.results import Tier
 

@@ -17,7 +17,7 @@ from tests.service.daemon import ROOT
 
 def serve(data_dir: Path, *flags: str) -> subprocess.CompletedProcess:
     """`tiercache serve` that is expected to refuse: its exit and what it said."""
-    return subprocess.run([sys.executable, "-m", "service.cli", "serve", "--data-dir", str(data_dir),
+    return subprocess.run([sys.executable, "-m", "tiercache_service.cli", "serve", "--data-dir", str(data_dir),
                            "--metrics-address", "", "--no-disk", *flags],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import zmq
 
-from service.kv_events import END_SEQ, KvEventPublisher, KvEventsConfig
+from tiercache_service.kv_events import END_SEQ, KvEventPublisher, KvEventsConfig
 from tiercache.events import REMOTE_MEDIUM, Change, EventLog, EventLogConfig
 from tiercache.results import Tier
 

@@ -13,8 +13,8 @@ import signal
 
 import grpc
 
-from service.config import ServiceConfig
-from service.logs import REQUEST_ID, JsonFormatter, TextFormatter, redacted, request_id
+from tiercache_service.config import ServiceConfig
+from tiercache_service.logs import REQUEST_ID, JsonFormatter, TextFormatter, redacted, request_id
 from tests.service.daemon import metrics_url, running_daemon, scrape
 from tests.service.worker_process import LAYOUT, prompt
 from tiercache.client import Client

@@ -4,7 +4,7 @@ bounded however many model ids workers bring."""
 
 from __future__ import annotations
 
-from service.lookups import OTHER_MODEL, Lookups, hit_rate
+from tiercache_service.lookups import OTHER_MODEL, Lookups, hit_rate
 
 
 def keys(*pages: int) -> bytes:

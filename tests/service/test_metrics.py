@@ -11,8 +11,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.lookups import CALLS, OTHER_MODEL
-from service.metrics import METRICS, PREFIX, TIERS
+from tiercache_service.lookups import CALLS, OTHER_MODEL
+from tiercache_service.metrics import METRICS, PREFIX, TIERS
 from tests.service.daemon import metrics_url, needs_promtool, running_daemon, scrape
 from tests.service.worker_process import LAYOUT, prompt
 from tiercache import __version__

@@ -65,13 +65,13 @@ def test_every_daemon_started_from_tests_or_drills_names_its_data_dir_and_a_free
         compared = {id(n) for c in ast.walk(tree) if isinstance(c, ast.Compare)
                     for n in (c.left, *c.comparators)}  # a command checked, not started
         for node in ast.walk(tree):
-            if (isinstance(node, ast.ImportFrom) and node.module == "service.server"
+            if (isinstance(node, ast.ImportFrom) and node.module == "tiercache_service.server"
                     and any(a.name == "start" for a in node.names) and path != IN_PROCESS_HELPER):
                 wrong.append(f"{where}:{node.lineno}: starts a daemon in-process: use "
                              "tests.service.daemon.daemon_in_this_process")
             if isinstance(node, ast.List) and id(node) not in compared:
                 words = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
-                if "serve" not in words or not {"service.cli", "tiercache"} & set(words):
+                if "serve" not in words or not {"tiercache_service.cli", "tiercache"} & set(words):
                     continue
                 metrics = (words[words.index("--metrics-address") + 1]
                            if "--metrics-address" in words[:-1] else None)

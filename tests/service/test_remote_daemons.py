@@ -17,7 +17,7 @@ import zmq
 from tests.redis_cluster import needs_redis, redis_cluster
 from tests.service.daemon import ROOT, running_daemon
 from tests.service.worker_process import LAYOUT, PAGES, prompt
-from service.stats_cli import render
+from tiercache_service.stats_cli import render
 from tiercache.client import Client
 from tiercache.results import Tier
 

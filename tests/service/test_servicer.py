@@ -6,14 +6,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from service.errors import ErrorInterceptor
-from service.servicer import TiercacheServicer
-from service.workers import WorkerRegistry
+from tiercache_service.errors import ErrorInterceptor
+from tiercache_service.servicer import TiercacheServicer
+from tiercache_service.workers import WorkerRegistry
 from tests.service.worker_process import LAYOUT, prompt
 from tiercache.engine import Engine, EngineConfig
 from tiercache.hashing import key_array, page_keys
 from drills.context import Aborted, Context
-from service.handover import Handover
+from tiercache_service.handover import Handover
 from tiercache.shm import SharedBuffers
 from tiercache.tiers.host import HostConfig
 from tiercache.v1 import tiercache_pb2 as pb

@@ -15,7 +15,7 @@ from tiercache.client import Client
 
 
 def stats(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "service.cli", "stats", *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "tiercache_service.cli", "stats", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -66,7 +66,7 @@ def test_the_hit_rate_counts_loads_without_a_match_and_json_answers_without_torc
         assert ("hit rate    50.0%  (6 of 12 pages asked by 0 matches and 2 loads without a "
                 "match)") in out
         # 3. --json, read in a process that checks what the command imported
-        script = ("import sys; from service.cli import main; code = main(sys.argv[1:]); "
+        script = ("import sys; from tiercache_service.cli import main; code = main(sys.argv[1:]); "
                   "print('heavy:', sorted(m for m in ('torch', 'numpy', 'tiercache.engine') "
                   "if m in sys.modules)); sys.exit(code)")
         done = subprocess.run([sys.executable, "-c", script, "stats", "--address", address, "--json"],

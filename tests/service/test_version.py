@@ -32,7 +32,7 @@ def test_the_license_is_the_one_pyproject_names():
 
 
 def test_the_command_line_prints_its_version():
-    done = subprocess.run([sys.executable, "-m", "service.cli", "--version"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "tiercache_service.cli", "--version"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout, done.stderr) == (0, f"tiercache {__version__}\n", "")
 

@@ -56,7 +56,7 @@ def modules() -> dict[str, Path]:
 
 
 def imports(path: Path) -> set[str]:
-    """The tiercache modules (and `service`) a file imports, by name under tiercache."""
+    """The tiercache modules (and the daemon, `tiercache_service`) a file imports, by name under tiercache."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -66,7 +66,7 @@ def imports(path: Path) -> set[str]:
         else:
             continue
         for name in names:
-            if name.startswith("service"):
+            if name == "service" or name.startswith(("service.", "tiercache_service")):
                 out.add("service")
             elif name.startswith("tiercache."):
                 out.add(name.removeprefix("tiercache."))
