@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import threading
 import sys
 import time
 
@@ -58,8 +60,12 @@ def run(args: argparse.Namespace) -> int:
     connection = connect(args.address)
     stub = pb_grpc.TiercacheStub(connection.channel)
     previous: tuple[float, CacheStats] | None = None
+    # Ctrl-C ends --watch between two reads: raised inside a gRPC call, KeyboardInterrupt
+    # could leave the channel's close waiting (seen under load in CI)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        while True:
+        while not stop.is_set():
             stats, now = read(stub, args.timeout, connection.metadata), time.monotonic()
             if args.json:
                 print(json.dumps(as_json(connection.address, stats)), flush=True)
@@ -71,13 +77,12 @@ def run(args: argparse.Namespace) -> int:
             if args.watch is None:
                 return 0
             previous = (now, stats)
-            time.sleep(args.watch)
+            stop.wait(args.watch)
+        return 0
     except grpc.RpcError as error:
         print(f"tiercache stats: cannot read the daemon at {connection.address}: "
               f"{error.details()} ({error.code().name})", file=sys.stderr)  # type: ignore[attr-defined]
         return 2
-    except KeyboardInterrupt:
-        return 0
     finally:
         connection.channel.close()
 
