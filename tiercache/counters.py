@@ -12,6 +12,9 @@ import numpy as np
 
 from tiercache.results import TIERS, Match, Tier
 
+_ALL_TIERS = tuple(Tier)  # iterating the enum itself costs microseconds a match
+_CODES = max(_ALL_TIERS) + 1
+
 
 class EvictReason(enum.Enum):
     CAPACITY = ""  # the eviction policy made room
@@ -57,12 +60,11 @@ class Counters:
         self.matched_pages += match.pages
         self.requested_pages += match.prompt_pages
         if match.tier_codes:  # one pass over the codes: prompts run to thousands of pages
-            found = np.bincount(np.frombuffer(match.tier_codes, np.uint8),
-                                minlength=max(Tier) + 1).tolist()
-            for tier in Tier:
-                if found[int(tier)]:
-                    self.matched_pages_in[tier] += found[int(tier)]
-                    self.matched_tokens_in[tier] += found[int(tier)] * page_tokens
+            found = np.bincount(np.frombuffer(match.tier_codes, np.uint8), minlength=_CODES).tolist()
+            for tier in _ALL_TIERS:
+                if found[tier]:
+                    self.matched_pages_in[tier] += found[tier]
+                    self.matched_tokens_in[tier] += found[tier] * page_tokens
         if match.checkpoint_tier is not None and match.pages:
             self.matched_checkpoints_in[match.checkpoint_tier] += 1
             if not match.tier_codes:

@@ -121,15 +121,15 @@ class Index:
         if not len(rows):
             return rows
         at = np.maximum(rows, 0)
-        found = (rows >= 0) & (self._cols["tiers"][at] != 0)  # a claimed entry is not there yet
+        looked = rows >= 0
+        found = looked & (self._cols["tiers"][at] != 0)  # a claimed entry is not there yet
         foreign = found & (self._cols["nbytes"][at] != nbytes)
-        unusable = foreign
+        unusable = foreign | (looked ^ found)
         if checks is not None:
             stored = self._cols["check"][at]
             clash = found & ~foreign & (stored != 0) & (stored != checks)
             self.collisions += int(clash.sum())
-            unusable = foreign | clash
-        unusable |= (rows >= 0) & ~found
+            unusable |= clash
         if not unusable.any():
             return rows
         self.foreign += int(foreign.sum())
