@@ -120,10 +120,10 @@ def page_keys(tokens: Any, root: PageKey, page_tokens: int,
     digest = HASHES[hash_name]
     step = page_tokens * _TOKEN_DTYPE.itemsize
     keys: list[PageKey] = []
-    prev = bytes(root)
+    add, prev = keys.append, bytes(root)  # PageKey is bytes: no wrapping in the loop
     for start in range(0, len(data) - step + 1, step):
         prev = digest(prev + data[start:start + step])
-        keys.append(PageKey(prev))
+        add(prev)
     return keys
 
 
@@ -145,12 +145,12 @@ def page_chain(tokens: Any, root: PageKey, page_tokens: int,
     step = page_tokens * _TOKEN_DTYPE.itemsize
     keys: list[PageKey] = []
     checks: list[int] = []
-    prev = bytes(root)
+    add_key, add_check, prev = keys.append, checks.append, bytes(root)
     for start in range(0, len(data) - step + 1, step):
         page = prev + data[start:start + step]
-        checks.append(check(page, _CHECK_SEED))
+        add_check(check(page, _CHECK_SEED))
         prev = digest(page)
-        keys.append(PageKey(prev))
+        add_key(prev)
     return Chain(keys, np.array(checks, np.uint64))
 
 
