@@ -12,13 +12,14 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+from tests.polling import eventually
 
 needs_redis = pytest.mark.skipif(
     (shutil.which("redis-server") is None or shutil.which("redis-cli") is None)
@@ -167,11 +168,8 @@ def _ready_node(directory: Path, maxmemory: str, policy: str, attempts: int = 3)
 
 
 def _wait(condition, what: str, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+    if not eventually(condition, seconds):
+        raise RuntimeError(f"timed out waiting for {what}")
 
 
 @contextmanager

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.polling import eventually
 from tests.service.daemon import running_daemon
 from tiercache.client import Client
 from tiercache.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -123,7 +124,8 @@ def test_a_missing_or_dead_rank_makes_the_hit_zero(daemon):
     assert rank0.match(prompt).pages == 4
     # rank 1's process goes away (its registration ends): 0 again, never a partial hit
     rank1.close()
-    assert wait_for(lambda: rank0.match(prompt).stop == StopReason.GROUP_INCOMPLETE)
+    # the daemon notices a closed registration stream a moment after the client
+    assert eventually(lambda: rank0.match(prompt).stop == StopReason.GROUP_INCOMPLETE)
     scheduler = Client(daemon, timeout=10, token="acme-token").group("engine-b")
     assert scheduler.live_ranks == (0,) and not scheduler.complete
     assert scheduler.match(prompt).pages == 0
@@ -169,14 +171,3 @@ def test_a_group_is_seen_only_by_its_own_tenant(daemon):
     assert beta.match(prompt).pages == 0
     beta.close()
     rank0.close()
-
-
-def wait_for(condition, seconds: float = 10.0) -> bool:
-    """The daemon notices a closed registration stream a moment after the client."""
-    import time
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()

@@ -14,6 +14,7 @@ import time
 import msgpack
 import zmq
 
+from tests.polling import eventually
 from tests.redis_cluster import needs_redis, redis_cluster
 from tests.service.daemon import ROOT, running_daemon
 from tests.service.worker_process import LAYOUT, PAGES, prompt
@@ -38,13 +39,6 @@ def worker(*args: str) -> str:
     return done.stdout
 
 
-def wait_for(condition, what: str, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_a_prompt_stored_through_daemon_a_is_loaded_byte_for_byte_through_daemon_b(tmp_path):
     events = f"tcp://127.0.0.1:{free_port()}"
     secret = str(tmp_path / "shared-secret")  # both daemons mask keys alike
@@ -61,8 +55,8 @@ def test_a_prompt_stored_through_daemon_a_is_loaded_byte_for_byte_through_daemon
             assert worker("store", a, "21", str(PROMPTS)).split() == \
                 ["stored", "0", "stored", "1", "stored", "2"]
             entries = PROMPTS * (PAGES + 1)
-            wait_for(lambda: Client(a).stats().counters["remote_written"] == entries,
-                     "daemon A to write the store to the cluster")
+            assert eventually(lambda: Client(a).stats().counters["remote_written"] == entries,
+                              30.0), "timed out waiting for daemon A to write the store to the cluster"
             # B has never seen the prompts: a match finds them in the remote tier
             probe = Client(b).register("test-model", LAYOUT)
             match = probe.match(prompt(0))

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.polling import eventually
 from tests.redis_cluster import Cluster, needs_redis, redis_cluster
 from tiercache import tenancy
 from tiercache.hashing import Namespace
@@ -119,7 +120,7 @@ def test_a_part_the_store_evicted_makes_its_entry_a_counted_miss(cluster):
     assert ok == [True, False, True, True]
     assert store.stats()["remote_damaged_part_missing"] == 1
     # the half entry's metadata goes, so a later demotion writes it whole again
-    assert _eventually(lambda: store.exists([stored[1].ref]).present == [False])
+    assert eventually(lambda: store.exists([stored[1].ref]).present == [False])
     assert store.put(stored).stored == 1
     assert fetch(store, stored)[0] == [True] * 4
     store.close()
@@ -247,7 +248,7 @@ def test_a_moved_slot_is_a_miss_then_found_on_its_new_node(fresh_cluster):
     assert ok == [False]
     assert store.stats()["remote_errors_moved"] == 1
     # the slot map is read again in the background; then the entry hits on its new node
-    assert _eventually(lambda: fetch(store, stored)[0] == [True])
+    assert eventually(lambda: fetch(store, stored)[0] == [True])
     store.close()
 
 
@@ -312,13 +313,3 @@ def _move_slot(cluster: Cluster, slot: int, source, target, finish: bool = True)
     if finish:
         for node in cluster.nodes:
             node.cli("cluster", "setslot", str(slot), "node", dst)
-
-
-def _eventually(condition, seconds: float = 10.0) -> bool:
-    import time
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()

@@ -10,8 +10,6 @@ runs these in a virtual environment of their own).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("vllm")
@@ -23,6 +21,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from tests.tiercache.integrations.vllm.harness import (BLOCK, engine, prompt,  # noqa: E402
                                                        vllm_config)
+from tests.polling import eventually  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.results import StopReason  # noqa: E402
 
@@ -132,22 +131,13 @@ def test_a_tp_group_hits_only_where_every_rank_has_kv_and_state(daemon, tmp_path
     # b stored the state again on both ranks; then rank 1's worker goes away
     assert group.match(tokens).pages == 5
     run.ranks.pop().connector.shutdown()
-    assert wait_for(lambda: group.match(tokens).stop == StopReason.GROUP_INCOMPLETE)
+    assert eventually(lambda: group.match(tokens).stop == StopReason.GROUP_INCOMPLETE)
     assert run.scheduler.reset_prefix_cache()
     c = Request("c", tokens, SamplingParams(max_tokens=2), None,
                 block_hasher=get_request_block_hasher(BLOCK, sha256))
     # a rank is missing: the lookup says 0, not 80
     assert run.scheduler.connector.get_num_new_matched_tokens(c, 0) == (0, False)
     run.close()
-
-
-def wait_for(condition, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_kv_events_announce_what_the_daemon_holds_and_hits_are_split_by_tier(
