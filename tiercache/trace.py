@@ -29,15 +29,25 @@ def _sync() -> None:
 
 
 @contextmanager
-def _call(name: str) -> Iterator[None]:
-    _local.spans = spans = {}
+def _timed(spans: dict[str, float], name: str) -> Iterator[None]:
+    """Add the milliseconds of the block, synchronised with the GPU at both ends, to
+    spans[name]."""
     _sync()
     start = time.perf_counter()
     try:
         yield
     finally:
         _sync()
-        spans["total"] = (time.perf_counter() - start) * 1e3
+        spans[name] = spans.get(name, 0.0) + (time.perf_counter() - start) * 1e3
+
+
+@contextmanager
+def _call(name: str) -> Iterator[None]:
+    _local.spans = spans = {}
+    try:
+        with _timed(spans, "total"):
+            yield
+    finally:
         _local.spans = None
         with _write, open(PATH, "a") as f:
             f.write(json.dumps({"call": name, "ms": spans}) + "\n")
@@ -49,13 +59,8 @@ def _span(name: str) -> Iterator[None]:
     if spans is None:
         yield
         return
-    _sync()
-    start = time.perf_counter()
-    try:
+    with _timed(spans, name):
         yield
-    finally:
-        _sync()
-        spans[name] = spans.get(name, 0.0) + (time.perf_counter() - start) * 1e3
 
 
 def call(name: str):
