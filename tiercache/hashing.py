@@ -14,11 +14,13 @@ two prompts whose keys collide (by accident; on purpose, use blake2b_128) still 
 from __future__ import annotations
 
 import array as pyarray
+import functools
 import hashlib
+import itertools
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, NewType, Sequence
+from typing import Any, Callable, Iterable, NewType, Sequence
 
 import numpy as np
 import xxhash
@@ -111,20 +113,33 @@ def token_array(tokens: Any) -> np.ndarray:
     return np.ascontiguousarray(ids, dtype=_TOKEN_DTYPE)
 
 
-def page_keys(tokens: Any, root: PageKey, page_tokens: int,
-              hash_name: str = "xxh3_128") -> list[PageKey]:
-    """Chained keys of every full page of `tokens`; a partial last page gets none."""
+_BLOCK = 512  # pages cut from the token bytes by one struct call
+
+
+@functools.lru_cache(maxsize=16)
+def _block(step: int) -> struct.Struct:
+    return struct.Struct(f"{step}s" * _BLOCK)
+
+
+def _pages(tokens: Any, page_tokens: int) -> Iterable[bytes]:
+    """The bytes of every full page of `tokens`, cut by struct in blocks of pages (in C:
+    half the time of slicing page by page, which was half of hashing a prompt)."""
     if page_tokens <= 0:
         raise InvalidArgument(f"page_tokens must be positive, got {page_tokens}")
     data = token_array(tokens).tobytes()
-    digest = HASHES[hash_name]
     step = page_tokens * _TOKEN_DTYPE.itemsize
-    keys: list[PageKey] = []
-    add, prev = keys.append, bytes(root)  # PageKey is bytes: no wrapping in the loop
-    for start in range(0, len(data) - step + 1, step):
-        prev = digest(prev + data[start:start + step])
-        add(prev)
-    return keys
+    pages = len(data) // step
+    whole = (pages - pages % _BLOCK) * step
+    blocks = _block(step).iter_unpack(memoryview(data)[:whole]) if whole else ()
+    rest = struct.unpack_from(f"{step}s" * (pages % _BLOCK), data, whole)
+    return itertools.chain(itertools.chain.from_iterable(blocks), rest)
+
+
+def page_keys(tokens: Any, root: PageKey, page_tokens: int,
+              hash_name: str = "xxh3_128") -> list[PageKey]:
+    """Chained keys of every full page of `tokens`; a partial last page gets none."""
+    digest, prev = HASHES[hash_name], bytes(root)  # PageKey is bytes: no wrapping per page
+    return [prev := digest(prev + page) for page in _pages(tokens, page_tokens)]
 
 
 @dataclass(frozen=True)
@@ -138,16 +153,12 @@ class Chain:
 def page_chain(tokens: Any, root: PageKey, page_tokens: int,
                hash_name: str = "xxh3_128") -> Chain:
     """`page_keys` and, for every page, its check (see the module doc)."""
-    if page_tokens <= 0:
-        raise InvalidArgument(f"page_tokens must be positive, got {page_tokens}")
-    data = token_array(tokens).tobytes()
     digest, check = HASHES[hash_name], xxhash.xxh3_64_intdigest
-    step = page_tokens * _TOKEN_DTYPE.itemsize
     keys: list[PageKey] = []
     checks: list[int] = []
     add_key, add_check, prev = keys.append, checks.append, bytes(root)
-    for start in range(0, len(data) - step + 1, step):
-        page = prev + data[start:start + step]
+    for tokens_of_page in _pages(tokens, page_tokens):
+        page = prev + tokens_of_page
         add_check(check(page, _CHECK_SEED))
         prev = digest(page)
         add_key(prev)
