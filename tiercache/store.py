@@ -19,7 +19,7 @@ import numpy as np
 from tiercache import failpoints, trace
 from tiercache.admission import admit, entry_values
 from tiercache.background import Background, Mover
-from tiercache.books import Books
+from tiercache.books import Books, Claim
 from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from tiercache.hashing import Keys, distinct_keys
@@ -96,7 +96,8 @@ class Stores:
         src = page_rows(buffers, chain, rows) if layout.needs_pages else None
         if src is None and len(rows):
             raise InvalidArgument("this layout has no paged buffers: give no kv rows")
-        cached = first + self.books.cached_pages(chain) if layout.needs_pages else 0
+        # how much is cached weighs on which checkpoints to keep: without offers, no lookup
+        cached = first + self.books.cached_pages(chain) if layout.needs_pages and offered else 0
         kept = admit(self.admission, offered, first + len(chain), cached)
         self.books.count("declined_checkpoints", len(offered) - len(kept))
         if durable and self.books.disk is None:  # before any copying
@@ -146,68 +147,27 @@ class Stores:
                src: np.ndarray, values: np.ndarray, stamp: int, checks: np.ndarray | None
                ) -> tuple[StoreResult, np.ndarray]:
         """Store entries in the first tier: the device tier for workers on its GPU, else the
-        host. Returns the result and which keys are cached now."""
-        group.transfer.wait_for(job.ready, "store")
-        tier = Tier.DEVICE if group.transfer is self.mover.device_transfer else Tier.HOST
-        with trace.span("claim"):
-            claim = self.books.claim(group.kind, keys, depths, group.nbytes, values, stamp, checks,
-                                     job.shared,
-                                     job.pins)
-        todo, stored = claim.todo, 0
-        try:
-            while stored < len(todo):  # in batches: each one may push the last down a tier
-                with trace.span("reserve"):
-                    slots, displaced = self.books.reserve(group.nbytes, len(todo) - stored, tier)
-                # room that an eviction must move first: move it, and ask again while that frees some
-                if displaced and self.mover.settle(displaced) and not slots:
-                    continue
-                if not slots and tier == Tier.DEVICE:  # too small, pinned by loads, or its
-                    tier = Tier.HOST  # victims found no room below: the host takes the rest
-                    continue
-                if not slots:
-                    break
-                batch = todo[stored:stored + len(slots)]  # shallow pages first
-                self._copy(job, group, src[batch], slots, tier)
-                with trace.span("publish"):
-                    rows = claim.rows[stored:stored + len(slots)]
-                    self.books.publish_claimed(rows, tier, slots, stamp, pin=job.pins is not None)
-                    if job.pins is not None:
-                        job.pins.append(rows)
-                    (self.background.stored_on_device if tier == Tier.DEVICE else self.background.stored)(rows)
-                stored += len(batch)
-        finally:
-            self.books.unclaim(group.kind, claim, stored, len(todo) - stored)
-        if len(todo) and not stored:
-            arena = self.books.arena(tier)
-            raise ResourceExhausted(
-                f"no room in the {tier.name.lower()} tier for a {group.nbytes}-byte entry (budget "
-                f"{arena.budget_bytes} bytes, the rest pinned by loads): raise the "
-                f"{tier.name.lower()} budget")
-        kept = np.ones(len(keys), bool)
-        kept[todo[stored:]] = False
-        kept[claim.clashes] = False
-        skipped = len(todo) - stored + len(claim.clashes)
-        return StoreResult(stored, len(keys) - len(todo) - len(claim.clashes), skipped), kept
+        host. Returns the result and which keys are cached now.
 
-    def _copy(self, job: StoreJob, group: Group, src: np.ndarray, slots: list[int], tier: Tier) -> None:
-        """Copy worker rows into slots nobody can see yet; returns once the worker may
-        reuse the rows. Nothing is published if the caller stopped waiting meanwhile."""
-        arena = self.books.arena(tier)
+        A pipeline: the keys are claimed in parts (the first small, so the first copy
+        starts early), each part's batches are launched as soon as their slots are
+        reserved, and a batch is published once its copy is done, while the next one
+        runs: the bookkeeping of one part overlaps the copy of the one before."""
+        group.transfer.wait_for(job.ready, "store")
+        flight = _Flight(self, job, group, stamp, Tier.DEVICE
+                         if group.transfer is self.mover.device_transfer else Tier.HOST)
         try:
-            failpoints.hit("store.before_gather")
-            with self.traffic.timed("worker", tier.name.lower(), len(src) * group.nbytes):
-                with trace.span("copy"):
-                    group.transfer.gather(group.buffers, group.offsets, src,
-                                          list(arena.pool(group.nbytes).parts(np.asarray(slots, np.int64))))
-                with trace.span("fence"):
-                    group.transfer.fence("store").synchronize()  # this batch only, not the device
-            failpoints.hit("store.before_publish")
-            if job.alive is not None and not job.alive():
-                raise DeadlineExceeded("the call ended while its rows were being copied: "
-                                       "the rest of the store was dropped")
-        except BaseException:
-            self.books.free(group.nbytes, slots, tier)
-            raise
+            for part in _parts(len(keys)):
+                with trace.span("claim"):
+                    claim = self.books.claim(group.kind, keys[part], depths[part], group.nbytes,
+                                             values[part], stamp,
+                                             None if checks is None else checks[part], job.shared,
+                                             job.pins)
+                flight.copy(part, claim, src[part])
+            flight.finish()
+        finally:
+            flight.close()
+        return flight.result(len(keys))
 
     def persist(self, job: StoreJob, stored: StoreResult, timeout: float | None) -> None:
         """Commit the entries of a store to disk before it is acknowledged as durable. The
@@ -246,6 +206,154 @@ class Stores:
         if not np.all(self.books.in_tier(rows, Tier.DISK)):
             raise ResourceExhausted("the disk tier could not take the store's entries: "
                                     "raise --disk-map-size or store without durable")
+
+
+_FIRST_PART = 512  # keys claimed before the first copy starts; each part after is 4x larger
+
+
+def _parts(count: int) -> list[slice]:
+    """The parts a store's keys are claimed in: 512, 2,048, 8,192, ... keys."""
+    parts, start, size = [], 0, _FIRST_PART
+    while start < count:
+        parts.append(slice(start, min(count, start + size)))
+        start, size = start + size, size * 4
+    return parts
+
+
+@dataclass
+class _Part:
+    """One part's claim and how many of its entries (a prefix of claim.todo) are
+    launched and published."""
+
+    where: slice
+    claim: Claim
+    launched: int = 0
+    published: int = 0
+
+
+@dataclass
+class _Batch:
+    part: _Part
+    slots: list[int]
+    tier: Tier
+    done: Any  # the event that marks its copy done
+    started: float
+
+
+class _Flight:
+    """The batches of one store's copies: launched in order on one stream, published
+    in order, each once its copy is done (invariant 1) and the caller still waits."""
+
+    def __init__(self, stores: Stores, job: StoreJob, group: Group, stamp: int, tier: Tier) -> None:
+        self.stores, self.books, self.job, self.group = stores, stores.books, job, group
+        self.stamp, self.tier = stamp, tier
+        self.parts: list[_Part] = []
+        self.flying: list[_Batch] = []
+        self.full = False  # no room was found: the parts after are claimed and let go
+        self.last_done = 0.0
+
+    def copy(self, where: slice, claim: Claim, src: np.ndarray) -> None:
+        """Launch the copies of a part's claimed entries, as far as room is found;
+        publish the batches launched before, which the GPU has done by then, mostly."""
+        part = _Part(where, claim)
+        self.parts.append(part)
+        todo, group = claim.todo, self.group
+        while not self.full and part.launched < len(todo):
+            with trace.span("reserve"):
+                slots, displaced = self.books.reserve(group.nbytes, len(todo) - part.launched, self.tier)
+            # room that an eviction must move first: move it, and ask again while that frees some
+            if displaced and self.stores.mover.settle(displaced) and not slots:
+                continue
+            if not slots and self.flying:  # the room is this store's own copies in flight:
+                self.finish()  # published, they may make room for the rest
+                continue
+            if not slots and self.tier == Tier.DEVICE:  # too small, pinned by loads, or its
+                self.tier = Tier.HOST  # victims found no room below: the host takes the rest
+                continue
+            if not slots:
+                self.full = True
+                break
+            batch = todo[part.launched:part.launched + len(slots)]  # shallow pages first
+            self._launch(part, src[batch], slots)
+            self.finish(keep=1)  # the batch just launched runs while the next part is claimed
+
+    def _launch(self, part: _Part, src: np.ndarray, slots: list[int]) -> None:
+        group, arena = self.group, self.books.arena(self.tier)
+        started = time.perf_counter()
+        try:
+            failpoints.hit("store.before_gather")
+            with trace.span("copy"):
+                group.transfer.gather(group.buffers, group.offsets, src,
+                                      list(arena.pool(group.nbytes).parts(np.asarray(slots, np.int64))))
+                done = group.transfer.fence("store")  # this batch only, not the device
+        except BaseException:
+            group.transfer.synchronize()  # nothing may still write the slots it frees
+            self.books.free(group.nbytes, slots, self.tier)
+            raise
+        self.flying.append(_Batch(part, slots, self.tier, done, started))
+        part.launched += len(slots)
+
+    def finish(self, keep: int = 0) -> None:
+        """Publish the batches launched first, all but the last `keep`, as their copies
+        complete. Nothing is published once the caller stopped waiting: its rows may hold
+        other bytes by then."""
+        job, group = self.job, self.group
+        while len(self.flying) > keep:
+            batch, part = self.flying[0], self.flying[0].part
+            with trace.span("fence"):
+                batch.done.synchronize()
+            now = time.perf_counter()
+            self.stores.traffic.record("worker", batch.tier.name.lower(), len(batch.slots) * group.nbytes,
+                                       now - max(batch.started, self.last_done))
+            self.last_done = now
+            failpoints.hit("store.before_publish")
+            if job.alive is not None and not job.alive():
+                raise DeadlineExceeded("the call ended while its rows were being copied: "
+                                       "the rest of the store was dropped")
+            with trace.span("publish"):
+                rows = part.claim.rows[part.published:part.published + len(batch.slots)]
+                self.books.publish_claimed(rows, batch.tier, batch.slots, self.stamp,
+                                           pin=job.pins is not None)
+                if job.pins is not None:
+                    job.pins.append(rows)
+                background = self.stores.background
+                (background.stored_on_device if batch.tier == Tier.DEVICE else background.stored)(rows)
+            part.published += len(batch.slots)
+            self.flying.pop(0)
+
+    def close(self) -> None:
+        """Free what was launched but not published (after its copy: nothing may still
+        write a freed slot) and let go of every claimed row not published."""
+        try:
+            if self.flying:
+                self.group.transfer.synchronize()
+            for batch in self.flying:
+                self.books.free(self.group.nbytes, batch.slots, batch.tier)
+            self.flying = []
+        finally:
+            for part in self.parts:
+                todo = len(part.claim.todo)
+                self.books.unclaim(self.group.kind, part.claim, part.published, todo - part.published)
+
+    def result(self, count: int) -> tuple[StoreResult, np.ndarray]:
+        """The store's result and which of its `count` keys are cached now."""
+        kept = np.ones(count, bool)
+        stored = present = skipped = todo = 0
+        for part in self.parts:
+            claim, first = part.claim, part.where.start
+            kept[first + claim.todo[part.published:]] = False
+            kept[first + claim.clashes] = False
+            stored += part.published
+            todo += len(claim.todo)
+            present += part.where.stop - first - len(claim.todo) - len(claim.clashes)
+            skipped += len(claim.todo) - part.published + len(claim.clashes)
+        if todo and not stored:
+            tier, arena = self.tier, self.books.arena(self.tier)
+            raise ResourceExhausted(
+                f"no room in the {tier.name.lower()} tier for a {self.group.nbytes}-byte entry (budget "
+                f"{arena.budget_bytes} bytes, the rest pinned by loads): raise the "
+                f"{tier.name.lower()} budget")
+        return StoreResult(stored, present, skipped), kept
 
 
 def page_rows(buffers: WorkerBuffers, chain: np.ndarray, rows: Sequence[int]) -> np.ndarray:

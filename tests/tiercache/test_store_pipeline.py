@@ -1,0 +1,131 @@
+"""A store longer than one part (store.py's pipeline: keys claimed in parts of 512, 2,048,
+..., each batch published after its copy while the next part is claimed): the same result
+and the same bytes as a store taken whole, and nothing left half-done when it stops part
+way (no room, a failure, a caller that stopped waiting)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from drills.worlds import page_bytes, prompt_keys, random_buffers, same
+from tiercache import failpoints
+from tiercache.engine import Engine, EngineConfig
+from tiercache.errors import DeadlineExceeded, ResourceExhausted
+from tiercache.failpoints import InjectedFault
+from tiercache.hashing import key_array
+from tiercache.invariants import violations
+from tiercache.layout import BufferSpec, Layout
+from tiercache.results import Kind
+from tiercache.store import _parts
+from tiercache.tiers.host import HostConfig
+
+PAGES = 3000  # parts of 512, 2,048 and 440 keys
+LAYOUT = Layout(16, paged=tuple(BufferSpec(f"kv{i}", 2 * PAGES, (16, 2, 8), "bfloat16")
+                                for i in range(2)))  # pages only: a match needs no checkpoint
+
+
+def open_engine(host_pages: int = 2 * PAGES) -> Engine:
+    return Engine.open(EngineConfig(host=HostConfig(budget_bytes=host_pages * LAYOUT.page_bytes,
+                                                    pin=False)))
+
+
+def loaded(engine: Engine, keys, source, rows) -> int:
+    """Pages a load brings whose bytes equal the source rows they were stored from."""
+    target = random_buffers(LAYOUT, seed=99)
+    got = engine.load(target, keys, range(PAGES, 2 * PAGES)).match.pages
+    assert same(page_bytes(target, range(PAGES, PAGES + got)), page_bytes(source, rows[:got]))
+    return got
+
+
+def test_parts_cover_the_keys_once_in_order():
+    for count in (0, 1, 511, 512, 513, 2560, 2561, 12_000):
+        covered = np.concatenate([np.arange(count)[p] for p in _parts(count)] or [np.empty(0, int)])
+        assert covered.tolist() == list(range(count))
+    assert [p.stop - p.start for p in _parts(3000)] == [512, 2048, 440]
+
+
+def test_a_store_of_several_parts_counts_and_keeps_every_entry():
+    engine, source = open_engine(), random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=1, pages=PAGES)
+    rows = np.random.default_rng(1).permutation(PAGES)
+    # pages held already in each part: found, not written again
+    held = [3, 600, 2700]
+    for n in held:
+        engine.store(source, keys[:n + 1][-1:], [int(rows[n])])  # one page, keyed as page n+1
+    result = engine.store(source, keys, rows)
+    assert (result.stored, result.present, result.skipped) == (PAGES - len(held), len(held), 0)
+    assert engine.match(LAYOUT, keys).pages == PAGES
+    assert loaded(engine, keys, source, rows) == PAGES
+    assert violations(engine) == []
+    engine.close()
+
+
+def test_a_host_smaller_than_the_store_accounts_for_every_key():
+    engine, source = open_engine(host_pages=1500), random_buffers(LAYOUT, seed=2)
+    keys = prompt_keys(LAYOUT, seed=2, pages=PAGES)
+    result = engine.store(source, keys, np.arange(PAGES))
+    # the store's batches displace its own earlier ones (nothing below the host): its
+    # batches in flight are published to make room, none is lost or counted twice
+    assert (result.stored, result.present, result.skipped) == (PAGES, 0, 0)
+    assert engine.match(LAYOUT, keys).kv_pages == 0  # the first pages are gone: no prefix
+    assert violations(engine) == [] and engine.host.used_bytes <= 1500 * LAYOUT.page_bytes
+    engine.close()
+
+
+def test_no_room_in_any_part_refuses_the_store_and_keeps_no_claim():
+    engine, source = open_engine(host_pages=1000), random_buffers(LAYOUT, seed=6)
+    others = prompt_keys(LAYOUT, seed=60, pages=1000)
+    engine.store(source, others, range(1000))
+    held = engine.books.rows_of(Kind.PAGE, key_array(others))
+    engine.books.pin(held)  # as loads in flight would: nothing to evict
+    keys = prompt_keys(LAYOUT, seed=6, pages=PAGES)
+    with pytest.raises(ResourceExhausted, match="no room in the host tier"):
+        engine.store(source, keys, np.arange(PAGES))
+    engine.books.unpin(held)
+    assert len(engine.index) == 1000 and violations(engine) == []
+    engine.close()
+
+
+def test_a_failure_after_the_first_batch_publishes_what_was_whole_and_frees_the_rest():
+    engine, source = open_engine(), random_buffers(LAYOUT, seed=3)
+    keys = prompt_keys(LAYOUT, seed=3, pages=PAGES)
+    rows = np.arange(PAGES)
+    calls = []
+
+    def second_fails(_name):
+        calls.append(1)
+        if len(calls) == 2:
+            raise InjectedFault("the second batch's publish")
+    with failpoints.armed("store.before_publish", second_fails), pytest.raises(InjectedFault):
+        engine.store(source, keys, rows)
+    # the first part (512 keys, one batch) was published; nothing after it is visible,
+    # no claim is left, and the slots of the batches launched after it are free again
+    assert engine.match(LAYOUT, keys).pages == 512
+    assert loaded(engine, keys, source, rows) == 512
+    assert engine.host.used_bytes == 512 * LAYOUT.page_bytes
+    assert len(engine.index) == 512 and violations(engine) == []
+    # the same store again completes it
+    assert engine.store(source, keys, rows).stored == PAGES - 512
+    assert loaded(engine, keys, source, rows) == PAGES
+    engine.close()
+
+
+def test_a_caller_that_stops_waiting_gets_no_batch_published_after_that():
+    engine, source = open_engine(), random_buffers(LAYOUT, seed=4)
+    keys = prompt_keys(LAYOUT, seed=4, pages=PAGES)
+    answers = iter([True, False])
+    with pytest.raises(DeadlineExceeded):
+        engine.store(source, keys, np.arange(PAGES), alive=lambda: next(answers, False))
+    assert engine.match(LAYOUT, keys).pages == 512
+    assert engine.host.used_bytes == 512 * LAYOUT.page_bytes and violations(engine) == []
+    engine.close()
+
+
+def test_keys_in_any_form_store_the_same_entries():
+    engine, source = open_engine(), random_buffers(LAYOUT, seed=5)
+    keys = prompt_keys(LAYOUT, seed=5, pages=PAGES)
+    engine.store(source, key_array(keys), torch.arange(PAGES).tolist())
+    assert loaded(engine, b"".join(keys), source, np.arange(PAGES)) == PAGES
+    engine.close()
