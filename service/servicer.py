@@ -26,17 +26,31 @@ from tiercache.wire import (load_to_proto, match_to_proto, store_to_proto, tier_
                             tier_stats_to_proto)
 
 
+_OPEN_EVENTS = 16  # a worker's ready events kept open: its client reuses a few (client.py)
+_events_lock = threading.Lock()
+
+
 def _event(handle: bytes, worker: Registration) -> torch.cuda.Event | None:
-    """The worker's interprocess CUDA event named by `handle`, if any."""
+    """The worker's interprocess CUDA event named by `handle`, if any, opened once per
+    registration (a worker records the same few again; each one's latest record counts)."""
     if not handle:
         return None
     device = worker.buffers.device if worker.buffers is not None else None
     if device is None or device.type != "cuda":
         raise InvalidArgument("ready_event is for workers whose buffers are on a GPU")
+    with _events_lock:
+        event = worker.events.get(handle)
+    if event is not None:
+        return event
     try:
-        return torch.cuda.Event.from_ipc_handle(device, handle)
+        event = torch.cuda.Event.from_ipc_handle(device, handle)
     except RuntimeError as error:
         raise InvalidArgument(f"ready_event is not a CUDA IPC event handle: {error}") from None
+    with _events_lock:
+        while len(worker.events) >= _OPEN_EVENTS:  # the oldest goes: bounded (invariant 6)
+            worker.events.pop(next(iter(worker.events)))
+        worker.events[handle] = event
+    return event
 
 
 # A store copies worker rows only while the worker still waits for the reply: once its

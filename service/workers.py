@@ -9,7 +9,7 @@ import secrets
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ class Registration:
     handles: frozenset[bytes] = frozenset()  # the CUDA IPC handles its buffers came by
     mask: np.ndarray | None = None  # the namespace's key mask (tiercache.tenancy), if any
     group: Membership | None = None  # the group it is a rank of (service.groups), if any
+    events: dict[bytes, Any] = field(default_factory=dict)  # its ready events, opened (servicer)
 
     @property
     def layout(self) -> Layout:

@@ -26,6 +26,8 @@ that marks the bytes in place (pass `synchronous=True` to wait on the host inste
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
 
@@ -175,10 +177,10 @@ def _rpc(call: Callable[[], T]) -> T:
 
 
 def _ready_event(device: torch.device | None) -> torch.cuda.Event | None:
-    """An interprocess event after everything queued so far on the current stream."""
+    """An event after everything queued so far on the current stream (in-process)."""
     if device is None:
         return None
-    event = torch.cuda.Event(interprocess=True)
+    event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
 
@@ -190,6 +192,7 @@ class _Remote:
         self._stub, self._id, self._stream = stub, worker_id, stream
         self._shared, self._device, self._timeout = shared, device, timeout
         self._call = {"timeout": timeout, "metadata": metadata}
+        self._ready = _ReadyEvents(device)
 
     def match(self, prompt: Request, prefetch: bool) -> Match:
         request = pb.MatchRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
@@ -197,12 +200,11 @@ class _Remote:
         return match_from_proto(_rpc(lambda: self._stub.Match(request, **self._call)).match)
 
     def load(self, prompt: Request, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult:
-        ready = _ready_event(self._device)
-        request = pb.LoadRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                 kv_rows=rows, slot=slot,
-                                 ready_event=ready.ipc_handle() if ready else b"",
-                                 asynchronous=ready is not None and not synchronous)
-        reply = _rpc(lambda: self._stub.Load(request, **self._call))
+        with self._ready.marked() as ready:
+            request = pb.LoadRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
+                                     kv_rows=rows, slot=slot, ready_event=ready,
+                                     asynchronous=bool(ready) and not synchronous)
+            reply = _rpc(lambda: self._stub.Load(request, **self._call))
         result = load_from_proto(reply)
         if reply.done_event:
             done = torch.cuda.Event.from_ipc_handle(self._device, reply.done_event)
@@ -212,14 +214,13 @@ class _Remote:
 
     def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
               durable: bool, ready: Any = None) -> StoreResult:
-        ready = ready if ready is not None else _ready_event(self._device)
-        request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                  kv_rows=rows, durable=durable, event_tokens=prompt.tokens,
-                                  first_page=prompt.first_page,
-                                  ready_event=ready.ipc_handle() if ready else b"",
-                                  checkpoints=[pb.Checkpoint(pages=n, slot=s)
-                                               for n, s in sorted(checkpoints.items())])
-        return store_from_proto(_rpc(lambda: self._stub.Store(request, **self._call)))
+        with self._ready.marked(ready) as handle:
+            request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
+                                      kv_rows=rows, durable=durable, event_tokens=prompt.tokens,
+                                      first_page=prompt.first_page, ready_event=handle,
+                                      checkpoints=[pb.Checkpoint(pages=n, slot=s)
+                                                   for n, s in sorted(checkpoints.items())])
+            return store_from_proto(_rpc(lambda: self._stub.Store(request, **self._call)))
 
     def evict(self, prompt: Request, tier: Tier | None) -> int:
         request = pb.EvictRequest(worker_id=self._id, keys=prompt.keys, tier=int(tier or 0))
@@ -331,6 +332,38 @@ def _cuda_locations(buffers: Mapping[str, torch.Tensor]) -> list[pb.BufferLocati
         locations.append(pb.BufferLocation(name=name, nbytes=exported.nbytes, cuda=pb.CudaIpcBuffer(
             handle=exported.handle, offset=exported.offset, device_uuid=exported.device_uuid)))
     return locations
+
+
+class _ReadyEvents:
+    """The interprocess events that tell the daemon where a worker's stream stands,
+    reused from call to call: creating and exporting an event per call costs more than
+    recording one, and the daemon opens each handle once (service/servicer.py)."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self._device = device
+        self._free: list[tuple[torch.cuda.Event, bytes]] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def marked(self, given: torch.cuda.Event | None = None) -> Iterator[bytes]:
+        """The handle of an event recorded after all work queued so far on the current
+        stream (or of the caller's own `given` event); b"" for a worker without a GPU.
+        No other call records the event until the block ends: the daemon queues its wait
+        on it before it replies."""
+        if given is not None or self._device is None:
+            yield given.ipc_handle() if given is not None else b""
+            return
+        with self._lock:
+            event, handle = self._free.pop() if self._free else (None, b"")
+        if event is None:
+            event = torch.cuda.Event(interprocess=True)
+        event.record(torch.cuda.current_stream(self._device))
+        handle = handle or event.ipc_handle()
+        try:
+            yield handle
+        finally:
+            with self._lock:
+                self._free.append((event, handle))
 
 
 # -- in-process ------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class Delivery:
     damaged: list[int] = field(default_factory=list)
     promoted: int = 0
     event: Any = None  # asynchronous loads: the event that marks the copies done
+    own: Any = None  # the same mark on an event no other process holds (what reap asks)
     staging: list[torch.Tensor] = field(default_factory=list)  # must outlive the copies
     moves: list = field(default_factory=list)  # (Located, entry size) of what this load promotes
 
@@ -210,7 +211,10 @@ class Loads:
         start = time.perf_counter()
         with trace.span("fence"):
             done.event = transfer.fence("load", interprocess=asynchronous)
-            if not asynchronous:
+            if asynchronous:  # the worker holds the event it is handed and may record it
+                # itself: whether the copies are done is asked of an event of our own
+                done.own = transfer.fence("load")
+            else:
                 done.event.synchronize()
         seconds = None if asynchronous else copying + time.perf_counter() - start
         from_device = done.bytes_from.get(Tier.DEVICE, 0)
@@ -228,7 +232,7 @@ class Loads:
         way: their slots may hold part of their bytes); drop the damaged."""
         if done.event is not None and asynchronous and complete and not done.damaged:
             with self._lock:
-                self._pending.append((done.event, pinned, done.staging))
+                self._pending.append((done.own, pinned, done.staging))
                 self._handed_out.append(done.event)
         else:
             self.books.unpin(pinned)

@@ -86,6 +86,28 @@ def stream(address: str, seed: int) -> None:
     worker.close()
 
 
+def ordered(address: str, seed: int) -> None:
+    """Stores queued right behind the writes of their rows, without a host sync, four
+    times: each time the daemon's copy must come after the writes (the client reuses its
+    ready events, the daemon keeps them open: each record must still count)."""
+    shape = layout(1 << 16, 4, rows=64)
+    worker, tensors = register(address, shape, seed)
+    good, rows = True, list(range(PAGES, 2 * PAGES))
+    source = {name: slice(0, PAGES) if name != "state" else slice(0, 1) for name in tensors}
+    target = {name: slice(PAGES, 2 * PAGES) if name != "state" else slice(1, 2) for name in tensors}
+    for n in range(4):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s on the stream: the writes below land late
+        for name, t in tensors.items():
+            bits(t)[source[name]].fill_(n + 1)
+        worker.store(prompt(10 + n), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
+        for name, t in tensors.items():
+            bits(t)[target[name]].fill_(0)
+        worker.load(prompt(10 + n), kv_rows=rows, slot=1, synchronous=True)
+        good &= all(bool((bits(t)[target[name]] == n + 1).all()) for name, t in tensors.items())
+    print("ok" if good else "bad", flush=True)
+    worker.close()
+
+
 def hold(address: str, seed: int) -> None:
     worker, _ = register(address, layout(4096, 4, rows=16), seed)
     worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
@@ -100,5 +122,7 @@ if __name__ == "__main__":
         roundtrip(address, seed, *map(int, sys.argv[4:7]))
     elif mode == "stream":
         stream(address, seed)
+    elif mode == "ordered":
+        ordered(address, seed)
     else:
         hold(address, seed)

@@ -45,6 +45,11 @@ def test_the_worker_stream_reads_the_load_without_a_host_sync(tmp_path):
         assert finish(worker("stream", address, "2")) == "ok"
 
 
+def test_stores_right_behind_their_writes_copy_the_written_bytes_every_time(tmp_path):
+    with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, _):
+        assert finish(worker("ordered", address, "5")) == "ok"
+
+
 def test_a_killed_worker_is_unmapped_and_others_are_served(tmp_path):
     with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, daemon):
         holder = worker("hold", address, "3")
