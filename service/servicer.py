@@ -136,6 +136,10 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         return pb.UnregisterResponse()
 
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
+        with trace.call("Match"):  # a breakdown, when TIERCACHE_TRACE asks for one
+            return self._match(request, context)
+
+    def _match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
         keys = self._keys(request.keys, context)
         checks = self._checks(request.checks, keys)
         if request.group:  # a caller without buffers (vLLM's scheduler) asks for a group

@@ -98,25 +98,28 @@ class Room:
                  clean_only: bool) -> list[int]:
         arena = self.arena(tier)
         slots = arena.alloc(nbytes, count)
+        charge = max(nbytes, arena.min_slot_bytes)  # what a slot takes of the budget
         while len(slots) < count and arena.fits(nbytes):
-            want = max((count - len(slots)) * nbytes, int(arena.budget_bytes * self.evict_slack))
+            want = max((count - len(slots)) * charge, int(arena.budget_bytes * self.evict_slack))
             if not self.evict(tier, want, displaced, clean_only):
                 break
             slots += arena.alloc(nbytes, count - len(slots))
         return slots
 
     def evict(self, tier: Tier, want_bytes: int, displaced: Displaced, clean_only: bool) -> int:
-        """Free about `want_bytes` of `tier` in the policy's order; victims that must move
-        first are displaced (or, with `clean_only`, left alone). Returns the bytes freed
-        now or once the displaced work is done."""
+        """Free about `want_bytes` of `tier` (of its budget: a tiny entry's slot takes the
+        arena's floor) in the policy's order; victims that must move first are displaced
+        (or, with `clean_only`, left alone). Returns the bytes freed now or once the
+        displaced work is done."""
         candidates = self.index.candidates(tier)
+        floor = 0 if tier == Tier.DISK else self.arena(tier).min_slot_bytes
         if clean_only or (tier == Tier.HOST and (displaced.demote or displaced.leaving)) or (
                 tier == Tier.DEVICE and displaced.down is not None):
             clean = ~self.must_move(candidates.rows, tier)  # one batch of moves at a time
             candidates = type(candidates)(*(getattr(candidates, f)[clean] for f in
                                             ("rows", "stamp", "depth", "kind", "nbytes", "value")))
         order = self.policy.order(candidates)
-        sizes = np.cumsum(candidates.nbytes[order])
+        sizes = np.cumsum(np.maximum(candidates.nbytes[order], floor))
         chosen = order[:int(np.searchsorted(sizes, want_bytes)) + 1]
         victims = candidates.rows[chosen]
         if not len(victims):

@@ -129,3 +129,18 @@ def test_keys_in_any_form_store_the_same_entries():
     engine.store(source, key_array(keys), torch.arange(PAGES).tolist())
     assert loaded(engine, b"".join(keys), source, np.arange(PAGES)) == PAGES
     engine.close()
+
+
+def test_evicting_for_tiny_entries_frees_what_their_slots_are_charged():
+    """A 64-byte entry's slot takes 1 KiB of the budget: an eviction that made room in
+    entry bytes freed 16 times the slack it meant to, leaving the host part empty."""
+    tiny = Layout(16, paged=(BufferSpec("kv", 1 << 12, (64,), "uint8"),))
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=4 << 20, pin=False)))
+    source = random_buffers(tiny, seed=7)
+    capacity = (4 << 20) // 1024
+    for start in range(0, 3 * capacity, 1000):
+        keys = np.stack([np.arange(start, start + 1000) + 1, np.zeros(1000)], 1).astype(np.uint64)
+        assert engine.store(source, keys, np.arange(1000)).stored == 1000
+        if start >= capacity:  # full since: at most the slack (1% of the budget) stays free
+            assert engine.stats().tiers[0].entries >= capacity - capacity // 100 - 1
+    engine.close()
