@@ -250,6 +250,7 @@ class _Flight:
         self.parts: list[_Part] = []
         self.flying: list[_Batch] = []
         self.full = False  # no room was found: the parts after are claimed and let go
+        self.published: dict[Tier, list[np.ndarray]] = {}  # for the background, at the end
         self.last_done = 0.0
 
     def copy(self, where: slice, claim: Claim, src: np.ndarray) -> None:
@@ -316,8 +317,7 @@ class _Flight:
                                            pin=job.pins is not None)
                 if job.pins is not None:
                     job.pins.append(rows)
-                background = self.stores.background
-                (background.stored_on_device if batch.tier == Tier.DEVICE else background.stored)(rows)
+                self.published.setdefault(batch.tier, []).append(rows)
             part.published += len(batch.slots)
             self.flying.pop(0)
 
@@ -334,6 +334,11 @@ class _Flight:
             for part in self.parts:
                 todo = len(part.claim.todo)
                 self.books.unclaim(self.group.kind, part.claim, part.published, todo - part.published)
+            # copies down or to disk start once the store is done: launched between its
+            # batches, they would hold the GPU's SMs that its next copies wait for
+            background = self.stores.background
+            for tier, rows in self.published.items():
+                (background.stored_on_device if tier == Tier.DEVICE else background.stored)(np.concatenate(rows))
 
     def result(self, count: int) -> tuple[StoreResult, np.ndarray]:
         """The store's result and which of its `count` keys are cached now."""
