@@ -53,6 +53,22 @@ def _event(handle: bytes, worker: Registration) -> torch.cuda.Event | None:
     return event
 
 
+_DONE_EVENTS = 4  # events a worker's asynchronous loads hand back, in turn
+
+
+def _done_event(worker: Registration) -> torch.cuda.Event:
+    """The next of the worker's own interprocess events for an asynchronous load to
+    record its end into. Recorded again by later loads of the same worker only (a wait
+    queued after that waits for a later copy of the same stream: longer, never too
+    short); the daemon knows a load is done by an event of its own (tiercache/load.py)."""
+    with _events_lock:
+        if len(worker.done_events) < _DONE_EVENTS:
+            with torch.cuda.device(worker.buffers.device):
+                worker.done_events.append(torch.cuda.Event(interprocess=True))
+        worker.done_events.append(event := worker.done_events.pop(0))
+    return event
+
+
 # A store copies worker rows only while the worker still waits for the reply: once its
 # deadline passes, it may write those rows again. The daemon's clock for the deadline
 # starts when the call arrives, after the worker's, so it stops this much earlier.
@@ -164,12 +180,13 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             checks = self._checks(request.checks, keys)
             with self._worker(request.worker_id, context) as worker:
                 slot = request.slot if request.HasField("slot") else None
+                # copies into CPU workers are synchronous anyway
+                asynchronous = request.asynchronous and worker.buffers.device.type == "cuda"
                 result = self.engine.load(worker.buffers, worker.engine_keys(keys),
                                           np.asarray(request.kv_rows, np.int64), slot,
                                           ready=_event(request.ready_event, worker),
-                                          # copies into CPU workers are synchronous anyway
-                                          asynchronous=request.asynchronous and
-                                          worker.buffers.device.type == "cuda", checks=checks)
+                                          asynchronous=asynchronous, checks=checks,
+                                          done_event=_done_event(worker) if asynchronous else None)
                 # the pages it could take: as many as its rows, or the prompt without paged buffers
                 asked = min(len(keys), len(request.kv_rows)) if worker.layout.needs_pages else len(keys)
                 self.lookups.loaded(worker.namespace.model_id, request.keys, asked, result.match.pages)

@@ -40,6 +40,7 @@ class Registration:
     mask: np.ndarray | None = None  # the namespace's key mask (tiercache.tenancy), if any
     group: Membership | None = None  # the group it is a rank of (service.groups), if any
     events: dict[bytes, Any] = field(default_factory=dict)  # its ready events, opened (servicer)
+    done_events: list = field(default_factory=list)  # the events its loads hand back (servicer)
 
     @property
     def layout(self) -> Layout:

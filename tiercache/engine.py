@@ -324,7 +324,7 @@ class Engine:
 
     def load(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
              slot: int | None = None, ready: Any = None, asynchronous: bool = False, *,
-             checks: np.ndarray | None = None) -> LoadResult:
+             checks: np.ndarray | None = None, done_event: Any = None) -> LoadResult:
         """Copy the longest hybrid match of `keys` (at most len(rows) pages) into `rows` and
         `slot`. Fails as a whole: a damaged entry is dropped and the load redone shorter.
         A load of entries a promotion is still moving waits for it.
@@ -332,8 +332,9 @@ class Engine:
         On a GPU, copies start after `ready` (an event the worker recorded after its last
         use of the rows). The call returns when the bytes are in place, or, if
         `asynchronous`, at once with `LoadResult.done`: an interprocess event the worker's
-        stream waits on; the entries stay pinned until it completes. With `checks`, only
-        entries stored with the same checks hit (see `store`)."""
+        stream waits on (`done_event`, if the caller gives one to record again: creating an
+        interprocess event costs ~2 ms); the entries stay pinned until the copies are done.
+        With `checks`, only entries stored with the same checks hit (see `store`)."""
         keys, layout = distinct_keys(keys), buffers.layout
         checks = checks_of(checks, keys)
         fetched = np.empty(0, np.int64)
@@ -347,7 +348,7 @@ class Engine:
                 self.background.stored(fetched)  # host entries now: on to disk as the policy says
         try:
             return self.loads.load(buffers, keys, rows, slot, self._transfer_for(buffers), ready,
-                                   asynchronous, checks)
+                                   asynchronous, checks, done_event)
         finally:
             if len(fetched):
                 self.books.unpin(fetched)

@@ -92,7 +92,7 @@ class Loads:
 
     def load(self, buffers: WorkerBuffers, keys: Keys, rows: Any, slot: int | None,
              transfer: Transfer, ready: Any, asynchronous: bool,
-             checks: np.ndarray | None) -> LoadResult:
+             checks: np.ndarray | None, done_event: Any = None) -> LoadResult:
         """See Engine.load (`keys` are distinct: the engine checked)."""
         layout = buffers.layout
         dst = row_ids(rows, layout.page_rows, "kv row", unique=True)
@@ -117,7 +117,7 @@ class Loads:
             if hit.checkpoint_row is not None:
                 jobs.append((Group.checkpoints(buffers, transfer), np.array([hit.checkpoint_row]),
                              dst_slot))
-            done = self.deliver(hit.rows, jobs, transfer, asynchronous)
+            done = self.deliver(hit.rows, jobs, transfer, asynchronous, done_event)
             damaged += len(done.damaged)
             if not done.damaged:
                 self.books.count("loads", 1)
@@ -126,7 +126,7 @@ class Loads:
         return LoadResult(Match(0, 0, len(keys), b"", None, StopReason.MISSING_PAGE), {}, damaged)
 
     def deliver(self, pinned: np.ndarray, jobs: list[Job], transfer: Transfer,
-                asynchronous: bool = False) -> Delivery:
+                asynchronous: bool = False, done_event: Any = None) -> Delivery:
         """Bring pinned entries into host memory (promoting disk hits) and, where a job
         names destination rows, scatter them into the worker. `pinned` is unpinned when
         the copies are done: now, or, for an asynchronous load, once its event completes."""
@@ -139,7 +139,7 @@ class Loads:
                     continue
                 failpoints.hit("load.before_scatter")
                 copying += self._scatter(transfer, group, staged, dst, done)
-            self._fence(transfer, done, asynchronous, copying)
+            self._fence(transfer, done, asynchronous, copying, done_event)
             complete = True
         except BaseException:
             transfer.synchronize()  # nothing may still read entries we are about to unpin
@@ -204,13 +204,14 @@ class Loads:
                 done.bytes_from[tier] = done.bytes_from.get(tier, 0) + count * group.nbytes
         return time.perf_counter() - start
 
-    def _fence(self, transfer: Transfer, done: Delivery, asynchronous: bool, copying: float) -> None:
+    def _fence(self, transfer: Transfer, done: Delivery, asynchronous: bool, copying: float,
+               into: Any = None) -> None:
         """End a delivery's copies: wait for them, or hand back the event that marks them
         done, and count the bytes by hop: device entries reach the worker from the device,
         the rest from host memory (a host slot, or staging for a disk entry)."""
         start = time.perf_counter()
         with trace.span("fence"):
-            done.event = transfer.fence("load", interprocess=asynchronous)
+            done.event = transfer.fence("load", interprocess=asynchronous, into=into)
             if asynchronous:  # the worker holds the event it is handed and may record it
                 # itself: whether the copies are done is asked of an event of our own
                 done.own = transfer.fence("load")

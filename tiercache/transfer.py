@@ -36,7 +36,7 @@ class Transfer(Protocol):
                 offsets: Sequence[int], rows: np.ndarray) -> None: ...
     def copy_entries(self, parts: Sequence[SlabPart], addresses: np.ndarray) -> None: ...
     def wait_for(self, event: Any, direction: str) -> None: ...
-    def fence(self, direction: str, interprocess: bool = False) -> Any: ...
+    def fence(self, direction: str, interprocess: bool = False, into: Any = None) -> Any: ...
     def synchronize(self) -> None: ...
     def forget(self, buffers: Sequence[torch.Tensor]) -> None: ...
     def close(self) -> None: ...
@@ -118,7 +118,7 @@ class CpuTransfer:
     def wait_for(self, event: object, direction: str) -> None:
         """Copies here are synchronous: there is nothing to wait for."""
 
-    def fence(self, direction: str, interprocess: bool = False) -> "Done":
+    def fence(self, direction: str, interprocess: bool = False, into: Any = None) -> "Done":
         return Done()
 
     def synchronize(self) -> None:
@@ -223,9 +223,11 @@ class CudaTransfer:
                 table = BufferTable.of((part.slab,), [0], self.device)
             self._run(table, part.local, addresses[part.positions], True, "move")
 
-    def fence(self, direction: str, interprocess: bool = False) -> torch.cuda.Event:
-        """An event that completes when every copy launched so far in `direction` has."""
-        event = torch.cuda.Event(interprocess=interprocess)
+    def fence(self, direction: str, interprocess: bool = False,
+              into: torch.cuda.Event | None = None) -> torch.cuda.Event:
+        """An event that completes when every copy launched so far in `direction` has:
+        `into`, recorded again, or a new one."""
+        event = into if into is not None else torch.cuda.Event(interprocess=interprocess)
         event.record(self._streams[direction])
         return event
 

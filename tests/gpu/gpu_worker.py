@@ -87,23 +87,24 @@ def stream(address: str, seed: int) -> None:
 
 
 def ordered(address: str, seed: int) -> None:
-    """Stores queued right behind the writes of their rows, without a host sync, four
-    times: each time the daemon's copy must come after the writes (the client reuses its
-    ready events, the daemon keeps them open: each record must still count)."""
+    """Stores queued right behind the writes of their rows and asynchronous loads read
+    right behind their return, without a host sync, six times: each store's copy must
+    come after the writes and each read after the load's copy (the client reuses its
+    ready events, the daemon its done events, four in turn: each record must count)."""
     shape = layout(1 << 16, 4, rows=64)
     worker, tensors = register(address, shape, seed)
     good, rows = True, list(range(PAGES, 2 * PAGES))
     source = {name: slice(0, PAGES) if name != "state" else slice(0, 1) for name in tensors}
     target = {name: slice(PAGES, 2 * PAGES) if name != "state" else slice(1, 2) for name in tensors}
-    for n in range(4):
+    for n in range(6):
         torch.cuda._sleep(200_000_000)  # ~0.1 s on the stream: the writes below land late
         for name, t in tensors.items():
             bits(t)[source[name]].fill_(n + 1)
         worker.store(prompt(10 + n), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
         for name, t in tensors.items():
             bits(t)[target[name]].fill_(0)
-        worker.load(prompt(10 + n), kv_rows=rows, slot=1, synchronous=True)
-        good &= all(bool((bits(t)[target[name]] == n + 1).all()) for name, t in tensors.items())
+        result = worker.load(prompt(10 + n), kv_rows=rows, slot=1)  # the stream waits
+        good &= result.done is not None and all(bool((bits(t)[target[name]] == n + 1).all()) for name, t in tensors.items())
     print("ok" if good else "bad", flush=True)
     worker.close()
 
