@@ -241,7 +241,8 @@ class Index:
         if len(keys) > len(self._free):
             self._grow(max(2 * self._capacity, self._capacity + len(keys)))
         fresh = np.array(self._free[-len(keys):][::-1], np.int64)
-        self._maps[kind].insert(keys, fresh)  # refuses repeated keys, changing nothing
+        # the callers looked the keys up under the same lock: absent; repeats are refused
+        self._maps[kind].insert(keys, fresh, looked_up=True)
         del self._free[-len(keys):]
         cols = self._cols
         cols["kind"][fresh] = int(kind)
@@ -294,9 +295,10 @@ class Index:
         self._free.extend(gone.tolist())
 
     def raise_values(self, rows: np.ndarray, values: np.ndarray) -> None:
-        """Rate entries at least `values`: an entry shared by several prompts keeps the best
-        rating any of them gave it."""
-        np.maximum.at(self._cols["value"], rows, np.asarray(values, np.float32))
+        """Rate entries (distinct rows) at least `values`: an entry shared by several prompts
+        keeps the best rating any of them gave it."""
+        column = self._cols["value"]
+        column[rows] = np.maximum(column[rows], np.asarray(values, np.float32))
 
     def touch(self, rows: np.ndarray, stamp: int | None = None) -> None:
         """Mark rows as used now (or at `stamp`). Of rows used together, deeper ones are

@@ -89,12 +89,14 @@ class KeyMap:
                 return -1, -1
             at = (at + 1) & self._mask
 
-    def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
+    def insert(self, keys: np.ndarray, rows: np.ndarray, looked_up: bool = False) -> None:
         """Add keys, each mapping to its row. Every key must be absent and distinct: a key
         present already or repeated in the batch raises DuplicateKey, and the map stays as
-        it was (two records of one key would let one of them outlive its row)."""
-        present = np.flatnonzero(self._find(keys)[0] >= 0)
-        if present.size:
+        it was (two records of one key would let one of them outlive its row).
+        `looked_up`: the caller found every key absent, with no change to the map since;
+        then only repeats within the batch are looked for."""
+        present = np.flatnonzero(self._find(keys)[0] >= 0) if not looked_up else ()
+        if len(present):
             raise DuplicateKey(int(present[0]), "is in the map already")
         self._make_room(len(keys))
         lo, hi = split(keys)
