@@ -126,26 +126,33 @@ class Stores:
         ends = np.union1d(np.flatnonzero(found >= 0) + 1 + first, depths)
         page_values, end_values = entry_values(layout, first + len(job.chain), ends)
         page_values = page_values[first:]
-        result = StoreResult(0, 0, 0)
-        if job.src is not None:
-            result += self._store(job, Group.pages(job.buffers, job.transfer), job.chain,
-                                  np.arange(first + 1, first + len(job.chain) + 1), job.src,
-                                  page_values, stamp, job.checks)[0]
-        elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
-            self.books.raise_values(Kind.PAGE, job.chain, page_values)
-        if len(depths):
-            part, kept = self._store(job, Group.checkpoints(job.buffers, job.transfer),
-                                     job.chain[local], depths,
-                                     np.array([job.slots[d] for d in depths.tolist()], np.int64),
-                                     end_values[np.searchsorted(ends, depths)], stamp,
-                                     None if job.checks is None else job.checks[local])
-            result += StoreResult(part.stored, part.present, part.skipped,
-                                  tuple(depths[kept].tolist()))
+        result, published = StoreResult(0, 0, 0), {}
+        try:
+            if job.src is not None:
+                result += self._store(job, Group.pages(job.buffers, job.transfer), job.chain,
+                                      np.arange(first + 1, first + len(job.chain) + 1), job.src,
+                                      page_values, stamp, job.checks, published)[0]
+            elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
+                self.books.raise_values(Kind.PAGE, job.chain, page_values)
+            if len(depths):
+                part, kept = self._store(job, Group.checkpoints(job.buffers, job.transfer),
+                                         job.chain[local], depths,
+                                         np.array([job.slots[d] for d in depths.tolist()], np.int64),
+                                         end_values[np.searchsorted(ends, depths)], stamp,
+                                         None if job.checks is None else job.checks[local], published)
+                result += StoreResult(part.stored, part.present, part.skipped,
+                                      tuple(depths[kept].tolist()))
+        finally:
+            # copies down and to disk start once the store is done: launched between its
+            # copies, they would take the GPU's SMs and the GIL from the copies that follow
+            for tier, rows in published.items():
+                (self.background.stored_on_device if tier == Tier.DEVICE else self.background.stored)(
+                    np.concatenate(rows))
         return result
 
     def _store(self, job: StoreJob, group: Group, keys: np.ndarray, depths: np.ndarray,
-               src: np.ndarray, values: np.ndarray, stamp: int, checks: np.ndarray | None
-               ) -> tuple[StoreResult, np.ndarray]:
+               src: np.ndarray, values: np.ndarray, stamp: int, checks: np.ndarray | None,
+               published: dict[Tier, list[np.ndarray]]) -> tuple[StoreResult, np.ndarray]:
         """Store entries in the first tier: the device tier for workers on its GPU, else the
         host. Returns the result and which keys are cached now.
 
@@ -155,7 +162,7 @@ class Stores:
         runs: the bookkeeping of one part overlaps the copy of the one before."""
         group.transfer.wait_for(job.ready, "store")
         flight = _Flight(self, job, group, stamp, Tier.DEVICE
-                         if group.transfer is self.mover.device_transfer else Tier.HOST)
+                         if group.transfer is self.mover.device_transfer else Tier.HOST, published)
         try:
             for part in _parts(len(keys)):
                 with trace.span("claim"):
@@ -244,13 +251,14 @@ class _Flight:
     """The batches of one store's copies: launched in order on one stream, published
     in order, each once its copy is done (invariant 1) and the caller still waits."""
 
-    def __init__(self, stores: Stores, job: StoreJob, group: Group, stamp: int, tier: Tier) -> None:
+    def __init__(self, stores: Stores, job: StoreJob, group: Group, stamp: int, tier: Tier,
+                 published: dict[Tier, list[np.ndarray]]) -> None:
         self.stores, self.books, self.job, self.group = stores, stores.books, job, group
         self.stamp, self.tier = stamp, tier
         self.parts: list[_Part] = []
         self.flying: list[_Batch] = []
         self.full = False  # no room was found: the parts after are claimed and let go
-        self.published: dict[Tier, list[np.ndarray]] = {}  # for the background, at the end
+        self.published = published  # rows by tier, for the background once the store is done
         self.last_done = 0.0
 
     def copy(self, where: slice, claim: Claim, src: np.ndarray) -> None:
@@ -334,11 +342,6 @@ class _Flight:
             for part in self.parts:
                 todo = len(part.claim.todo)
                 self.books.unclaim(self.group.kind, part.claim, part.published, todo - part.published)
-            # copies down or to disk start once the store is done: launched between its
-            # batches, they would hold the GPU's SMs that its next copies wait for
-            background = self.stores.background
-            for tier, rows in self.published.items():
-                (background.stored_on_device if tier == Tier.DEVICE else background.stored)(np.concatenate(rows))
 
     def result(self, count: int) -> tuple[StoreResult, np.ndarray]:
         """The store's result and which of its `count` keys are cached now."""

@@ -157,8 +157,11 @@ class CudaTransfer:
     @classmethod
     def open(cls, device: torch.device) -> "CudaTransfer":
         with torch.cuda.device(device):
-            return cls(device, {"store": torch.cuda.Stream(), "load": torch.cuda.Stream(),
-                                "move": torch.cuda.Stream()})
+            # a worker waits for its stores and loads; nobody waits for the moves between
+            # tiers behind them: the GPU schedules the waited-for copies' blocks first
+            return cls(device, {"store": torch.cuda.Stream(priority=-1),
+                                "load": torch.cuda.Stream(priority=-1),
+                                "move": torch.cuda.Stream(priority=0)})
 
     @property
     def streams(self) -> list[torch.cuda.Stream]:
