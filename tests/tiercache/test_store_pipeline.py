@@ -1,4 +1,4 @@
-"""A store longer than one part (store.py's pipeline: keys claimed in parts of 512, 2,048,
+"""A store longer than one part (store.py's pipeline: keys claimed in parts of 512, 1,024,
 ..., each batch published after its copy while the next part is claimed): the same result
 and the same bytes as a store taken whole, and nothing left half-done when it stops part
 way (no room, a failure, a caller that stopped waiting)."""
@@ -21,7 +21,7 @@ from tiercache.results import Kind
 from tiercache.store import _parts
 from tiercache.tiers.host import HostConfig
 
-PAGES = 3000  # parts of 512, 2,048 and 440 keys
+PAGES = 3000  # parts of 512, 1,024 and 1,464 keys
 LAYOUT = Layout(16, paged=tuple(BufferSpec(f"kv{i}", 2 * PAGES, (16, 2, 8), "bfloat16")
                                 for i in range(2)))  # pages only: a match needs no checkpoint
 
@@ -43,7 +43,7 @@ def test_parts_cover_the_keys_once_in_order():
     for count in (0, 1, 511, 512, 513, 2560, 2561, 12_000):
         covered = np.concatenate([np.arange(count)[p] for p in _parts(count)] or [np.empty(0, int)])
         assert covered.tolist() == list(range(count))
-    assert [p.stop - p.start for p in _parts(3000)] == [512, 2048, 440]
+    assert [p.stop - p.start for p in _parts(3000)] == [512, 1024, 1464]
 
 
 def test_a_store_of_several_parts_counts_and_keeps_every_entry():
