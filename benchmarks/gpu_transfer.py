@@ -150,17 +150,19 @@ def prefix_32k(address: str) -> dict[str, float]:
             "reload_host_32k_over_bulk": host_s / h2d_s}
 
 
-def profile(row_bytes: int, calls: int = 5) -> dict[str, dict[str, float]]:
-    """Median milliseconds of each step of a store and a load (and the worker's wall time)."""
+def profile(row_bytes: int, calls: int = 5, sync: bool = True) -> dict[str, dict[str, float]]:
+    """Median milliseconds of each step of a store and a load (and the worker's wall time);
+    without `sync`, the CPU's time in each step of calls whose steps overlap."""
     with tempfile.TemporaryDirectory() as folder:
         trace_file = os.path.join(folder, "trace.jsonl")
         os.environ["TIERCACHE_TRACE"] = trace_file
+        os.environ["TIERCACHE_TRACE_SYNC"] = "1" if sync else "0"
         try:
             with spawn(os.path.join(folder, "d"), "--host-budget", "3GiB", "--device-budget", "0",
                        "--no-disk") as (address, _):
                 walls = _profiled_calls(address, row_bytes, calls)
         finally:
-            del os.environ["TIERCACHE_TRACE"]
+            del os.environ["TIERCACHE_TRACE"], os.environ["TIERCACHE_TRACE_SYNC"]
         spans: dict[str, list[dict]] = collections.defaultdict(list)
         with open(trace_file) as f:
             for line in f:
@@ -197,11 +199,13 @@ def _profiled_calls(address: str, row_bytes: int, calls: int) -> dict[str, list[
 
 
 def print_profile() -> None:
-    for row_bytes in (4096, 1 << 20):
-        found = profile(row_bytes)
+    for row_bytes, sync in ((4096, True), (1 << 20, True), (4096, False)):
+        found = profile(row_bytes, sync=sync)
         steps = sorted(set(found["Store"]) | set(found["Load"]), key=lambda k: (k == "total", k == "worker wall", k))
+        how = ("steps synchronised with the GPU" if sync else
+               "not synchronised: the CPU's time in each step, a fence's wait for the GPU")
         print_table(f"where the time goes: {TOTAL // MiB} MiB in {row_bytes // 1024} KiB rows "
-                    "(ms, median of 5; steps synchronised with the GPU)", ["step", "store", "load"],
+                    f"(ms, median of 5; {how})", ["step", "store", "load"],
                     [(k, found["Store"].get(k, 0.0), found["Load"].get(k, 0.0)) for k in steps])
 
 

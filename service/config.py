@@ -195,7 +195,7 @@ def host_port(address: str, setting: str) -> tuple[str, int]:
 # TIERCACHE_* variables that are not settings: the config file's path, fault injection
 # (tiercache.failpoints), the per-step trace (tiercache.trace), and what workers' clients read
 _NOT_SETTINGS = {"TIERCACHE_CONFIG", "TIERCACHE_FAILPOINTS", "TIERCACHE_ADDRESS", "TIERCACHE_TOKEN",
-                 "TIERCACHE_HANDOVER", "TIERCACHE_TRACE"}
+                 "TIERCACHE_HANDOVER", "TIERCACHE_TRACE", "TIERCACHE_TRACE_SYNC"}
 # What Kubernetes sets in every container of a namespace with a Service named tiercache
 # (or tiercache-<x>): TIERCACHE_PORT=tcp://10.0.0.1:9477, TIERCACHE_SERVICE_HOST, and
 # TIERCACHE_PORT_9477_TCP_ADDR and friends. No setting may have a name of this form (a test

@@ -18,13 +18,16 @@ from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 PATH = os.environ.get("TIERCACHE_TRACE", "")
+# TIERCACHE_TRACE_SYNC=0: no synchronising, so steps overlap as they do untraced; each
+# span is then the CPU's time in the step (a fence, its wait for the GPU)
+SYNC = os.environ.get("TIERCACHE_TRACE_SYNC", "1") != "0"
 _local = threading.local()
 _write = threading.Lock()
 
 
 def _sync() -> None:
     import torch
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if SYNC and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 

@@ -68,34 +68,6 @@ def test_a_gpu_store_and_asynchronous_load_round_trip_exactly():
     engine.close()
 
 
-@pytest.mark.concurrent  # it looks at pins while an asynchronous load is in flight
-def test_a_worker_recording_the_event_it_was_handed_does_not_unpin_a_load_in_flight():
-    """The event an asynchronous load hands back is the worker's to open and, in CUDA,
-    to record: a worker that records it at once must not make the daemon think the copy
-    is done (it would unpin slots the copy still reads, free for another store)."""
-    engine = open_engine()
-    source, dest = on_gpu(1), on_gpu(2)
-    keys = prompt_keys(LAYOUT, seed=1, pages=6)
-    engine.store(source, keys, range(6), {6: 0})
-    busy = torch.cuda.Stream()
-    with torch.cuda.stream(busy):
-        torch.cuda._sleep(2_000_000_000)  # about a second: the load waits behind it
-        ready = torch.cuda.Event()
-        ready.record(busy)
-    loaded = engine.load(dest, keys, range(10, 16), slot=3, ready=ready, asynchronous=True)
-    idle = torch.cuda.Stream()
-    loaded.done.record(idle)  # completes at once: the worker's own mark, not the copy's
-    assert loaded.done.query()
-    pinned = engine.index.rows_of(0, np.frombuffer(b"".join(keys), np.uint64).reshape(-1, 2))
-    engine.loads.reap()
-    assert engine.index.column("pins", pinned).tolist() == [1] * 6  # still copying
-    busy.synchronize()
-    engine.quiesce(dest)
-    assert engine.index.column("pins", pinned).tolist() == [0] * 6
-    assert same(rows_of(dest, range(10, 16)), rows_of(source, range(6)))
-    engine.close()
-
-
 @pytest.mark.parametrize("host_bytes, tier", [(1 << 20, Tier.HOST),
                                               (LAYOUT.checkpoint_bytes, Tier.DISK)])
 def test_a_disk_hit_reaches_gpu_rows_promoted_or_staged(tmp_path, host_bytes, tier):
