@@ -159,7 +159,7 @@ def profile(row_bytes: int, calls: int = 5, sync: bool = True) -> dict[str, dict
         os.environ["TIERCACHE_TRACE_SYNC"] = "1" if sync else "0"
         try:
             with spawn(os.path.join(folder, "d"), "--host-budget", "3GiB", "--device-budget", "0",
-                       "--no-disk") as (address, _):
+                       "--no-disk", forward_output=True) as (address, _):
                 walls = _profiled_calls(address, row_bytes, calls)
         finally:
             del os.environ["TIERCACHE_TRACE"], os.environ["TIERCACHE_TRACE_SYNC"]
@@ -216,8 +216,9 @@ def main() -> None:
     if args.profile:
         print_profile()
     rows, summary = [], {}
+    # the daemons' output goes on to stderr: a daemon whose pipe is full would block
     with spawn(tempfile.mkdtemp(prefix="tiercache-bench-"), "--host-budget", "3GiB",
-               "--device-budget", "0", "--no-disk") as (address, _):
+               "--device-budget", "0", "--no-disk", forward_output=True) as (address, _):
         for row_bytes in (4096, 16384, 65536, 1 << 20):
             load_s, store_s, naive_load, naive_store = ours(address, row_bytes)
             # the peer right beside each row size (once at the start, it ran while the
@@ -230,7 +231,7 @@ def main() -> None:
             summary[f"load_vs_bulk_{label}"] = h2d / load_s
             summary[f"store_vs_bulk_{label}"] = d2h / store_s
     with spawn(tempfile.mkdtemp(prefix="tiercache-bench-"), "--host-budget", "4GiB",
-               "--device-budget", "4GiB", "--no-disk") as (address, _):
+               "--device-budget", "4GiB", "--no-disk", forward_output=True) as (address, _):
         summary.update(prefix_32k(address))
     print_table(f"{TOTAL // MiB} MiB of scattered rows, {BUFFERS} buffers, worker <-> daemon host tier",
                 ["rows", "load GB/s", "per-row", "bulk h2d", "ratio", "store GB/s", "per-row",
