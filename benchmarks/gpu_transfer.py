@@ -4,8 +4,9 @@ The worker is this process, with CUDA buffers the daemon (a child process) maps 
 For each row size, 24 paged buffers; a prompt of P pages whose rows are scattered over
 twice as many rows. Store = worker rows -> daemon (host tier: page-locked memory written
 by one Triton launch from the GPU); load = daemon -> other scattered rows. Beside them, in
-the same run: one bulk pinned `copy_` of the same byte count each way (the PCIe limit),
-and a per-row `copy_` loop (the naive peer). Times are wall times at the worker, RPC
+the same run, right after each row size: one bulk pinned `copy_` of the same byte count
+each way (the PCIe limit, its best of 9; ours are medians), and a per-row `copy_` loop
+(the naive peer). Times are wall times at the worker, RPC
 included, until the bytes are in place.
 
 Then a 32k-token prefix of a Qwen3-Next-shaped layout (12 attention layers x K, V with 2
