@@ -336,8 +336,9 @@ def _cuda_locations(buffers: Mapping[str, torch.Tensor]) -> list[pb.BufferLocati
 
 class _Events:
     """The interprocess events a worker and the daemon exchange, each reused from call
-    to call: creating one costs ~2 ms and opening a handle ~1 ms on an H100 host, against
-    ~10 us to record one again. The worker's ready events tell the daemon where its
+    to call: creating and exporting one per call, and opening it in the other process,
+    cost a few hundred microseconds a call more than recording one again (an H100 host,
+    RESULTS.md). The worker's ready events tell the daemon where its
     stream stands (the daemon opens each once); the daemon's done events are opened here
     once each."""
 

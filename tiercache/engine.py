@@ -332,8 +332,8 @@ class Engine:
         On a GPU, copies start after `ready` (an event the worker recorded after its last
         use of the rows). The call returns when the bytes are in place, or, if
         `asynchronous`, at once with `LoadResult.done`: an interprocess event the worker's
-        stream waits on (`done_event`, if the caller gives one to record again: creating an
-        interprocess event costs ~2 ms); the entries stay pinned until the copies are done.
+        stream waits on (`done_event`, if the caller gives one to record again, instead of a
+        new interprocess event); the entries stay pinned until the copies are done.
         With `checks`, only entries stored with the same checks hit (see `store`)."""
         keys, layout = distinct_keys(keys), buffers.layout
         checks = checks_of(checks, keys)
