@@ -26,34 +26,22 @@ from tiercache.wire import (load_to_proto, match_to_proto, store_to_proto, tier_
                             tier_stats_to_proto)
 
 
-_OPEN_EVENTS = 16  # a worker's ready events kept open: its client reuses a few (client.py)
-_events_lock = threading.Lock()
-
-
 def _event(handle: bytes, worker: Registration) -> torch.cuda.Event | None:
     """The worker's interprocess CUDA event named by `handle`, if any, opened once per
-    registration (a worker records the same few again; each one's latest record counts)."""
+    registration (its client reuses a few: tiercache/client.py)."""
     if not handle:
         return None
     device = worker.buffers.device if worker.buffers is not None else None
     if device is None or device.type != "cuda":
         raise InvalidArgument("ready_event is for workers whose buffers are on a GPU")
-    with _events_lock:
-        event = worker.events.get(handle)
-    if event is not None:
-        return event
     try:
-        event = torch.cuda.Event.from_ipc_handle(device, handle)
+        return worker.events.open(device, handle)
     except RuntimeError as error:
         raise InvalidArgument(f"ready_event is not a CUDA IPC event handle: {error}") from None
-    with _events_lock:
-        while len(worker.events) >= _OPEN_EVENTS:  # the oldest goes: bounded (invariant 6)
-            worker.events.pop(next(iter(worker.events)))
-        worker.events[handle] = event
-    return event
 
 
 _DONE_EVENTS = 4  # events a worker's asynchronous loads hand back, in turn
+_done_lock = threading.Lock()
 
 
 def _done_event(worker: Registration) -> torch.cuda.Event:
@@ -61,7 +49,7 @@ def _done_event(worker: Registration) -> torch.cuda.Event:
     record its end into. Recorded again by later loads of the same worker only (a wait
     queued after that waits for a later copy of the same stream: longer, never too
     short); the daemon knows a load is done by an event of its own (tiercache/load.py)."""
-    with _events_lock:
+    with _done_lock:
         if len(worker.done_events) < _DONE_EVENTS:
             with torch.cuda.device(worker.buffers.device):
                 worker.done_events.append(torch.cuda.Event(interprocess=True))

@@ -9,7 +9,7 @@ import secrets
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ import torch
 from tiercache_service.auth import Identity
 from tiercache_service.groups import Membership, member_keys, membership_of
 from tiercache import cuda_ipc, shm, tenancy
+from tiercache.cuda_ipc import OpenedEvents
 from tiercache.buffers import WorkerBuffers
 from tiercache.errors import (InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                               TiercacheError)
@@ -39,7 +40,7 @@ class Registration:
     handles: frozenset[bytes] = frozenset()  # the CUDA IPC handles its buffers came by
     mask: np.ndarray | None = None  # the namespace's key mask (tiercache.tenancy), if any
     group: Membership | None = None  # the group it is a rank of (service.groups), if any
-    events: dict[bytes, Any] = field(default_factory=dict)  # its ready events, opened (servicer)
+    events: OpenedEvents = field(default_factory=OpenedEvents)  # its ready events (servicer)
     done_events: list = field(default_factory=list)  # the events its loads hand back (servicer)
 
     @property

@@ -37,6 +37,7 @@ import torch
 
 from tiercache.buffers import WorkerBuffers
 from tiercache.channel import DEFAULT_ADDRESS, Tls, connect  # noqa: F401 (the API names both here too)
+from tiercache.cuda_ipc import OpenedEvents  # cuda-bindings only once a buffer is exported
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
 from tiercache.group import Group, GroupMember
 from tiercache.hashing import (Chain, Keys, Namespace, PageKey, key_array, page_chain, page_keys,
@@ -192,7 +193,8 @@ class _Remote:
         self._stub, self._id, self._stream = stub, worker_id, stream
         self._shared, self._device, self._timeout = shared, device, timeout
         self._call = {"timeout": timeout, "metadata": metadata}
-        self._events = _Events(device)
+        self._events = _Events(device)  # the ready events this worker hands the daemon
+        self._done = OpenedEvents()  # the daemon's, for its asynchronous loads
 
     def match(self, prompt: Request, prefetch: bool) -> Match:
         request = pb.MatchRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
@@ -207,7 +209,7 @@ class _Remote:
             reply = _rpc(lambda: self._stub.Load(request, **self._call))
         result = load_from_proto(reply)
         if reply.done_event:
-            done = self._events.opened(reply.done_event)
+            done = self._done.open(self._device, reply.done_event)
             torch.cuda.current_stream(self._device).wait_event(done)
             result = LoadResult(result.match, result.bytes_from, result.damaged, done)
         return result
@@ -335,31 +337,16 @@ def _cuda_locations(buffers: Mapping[str, torch.Tensor]) -> list[pb.BufferLocati
 
 
 class _Events:
-    """The interprocess events a worker and the daemon exchange, each reused from call
-    to call: creating and exporting one per call, and opening it in the other process,
-    cost a few hundred microseconds a call more than recording one again (an H100 host,
-    RESULTS.md). The worker's ready events tell the daemon where its
-    stream stands (the daemon opens each once); the daemon's done events are opened here
-    once each."""
+    """The interprocess events that tell the daemon where a worker's stream stands,
+    reused from call to call (the daemon opens each once, as the client does the
+    daemon's done events: cuda_ipc.OpenedEvents): creating and exporting one per call,
+    and opening it in the other process, cost a few hundred microseconds a call more
+    than recording one again (an H100 host, RESULTS.md)."""
 
     def __init__(self, device: torch.device | None) -> None:
         self._device = device
         self._free: list[tuple[torch.cuda.Event, bytes]] = []
         self._lock = threading.Lock()
-        self._opened: dict[bytes, torch.cuda.Event] = {}  # the daemon's, by handle
-
-    def opened(self, handle: bytes) -> torch.cuda.Event:
-        """The daemon's event named by `handle` (it hands back the same few, recorded
-        again: each is opened once)."""
-        with self._lock:
-            event = self._opened.get(handle)
-        if event is None:
-            event = torch.cuda.Event.from_ipc_handle(self._device, handle)
-            with self._lock:
-                if len(self._opened) >= 16:  # bounded, whatever a daemon sends
-                    self._opened.pop(next(iter(self._opened)))
-                self._opened[handle] = event
-        return event
 
     @contextmanager
     def marked(self, given: torch.cuda.Event | None = None) -> Iterator[bytes]:

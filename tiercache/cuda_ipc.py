@@ -133,3 +133,26 @@ def local_device(uuid: str) -> int:
             return index
     raise NotFound(f"GPU {uuid} is not visible to the daemon: give it the worker's GPUs "
                    "(CUDA_VISIBLE_DEVICES, or the pod's GPU resources)")
+
+
+class OpenedEvents:
+    """Interprocess CUDA events of another process, each opened once by its handle: the
+    other side records the same few again, and a wait counts each one's latest record.
+    At most `limit` stay open, the oldest closed first, whatever handles come."""
+
+    def __init__(self, limit: int = 16) -> None:
+        self._limit = limit
+        self._events: dict[bytes, torch.cuda.Event] = {}
+        self._lock = threading.Lock()
+
+    def open(self, device: torch.device, handle: bytes) -> torch.cuda.Event:
+        """The event named by `handle` (RuntimeError from CUDA if it names none)."""
+        with self._lock:
+            event = self._events.get(handle)
+        if event is None:
+            event = torch.cuda.Event.from_ipc_handle(device, handle)
+            with self._lock:
+                while len(self._events) >= self._limit:
+                    self._events.pop(next(iter(self._events)))
+                self._events[handle] = event
+        return event

@@ -98,9 +98,9 @@ class Room:
                  clean_only: bool) -> list[int]:
         arena = self.arena(tier)
         slots = arena.alloc(nbytes, count)
-        charge = max(nbytes, arena.min_slot_bytes)  # what a slot takes of the budget
         while len(slots) < count and arena.fits(nbytes):
-            want = max((count - len(slots)) * charge, int(arena.budget_bytes * self.evict_slack))
+            want = max((count - len(slots)) * arena.charge(nbytes),
+                       int(arena.budget_bytes * self.evict_slack))
             if not self.evict(tier, want, displaced, clean_only):
                 break
             slots += arena.alloc(nbytes, count - len(slots))

@@ -138,14 +138,18 @@ class SlotArena:
     def pool(self, slot_bytes: int) -> SlotPool:
         pool = self.pools.get(slot_bytes)
         if pool is None:
-            stride = max(slot_bytes, self.min_slot_bytes)
+            stride = self.charge(slot_bytes)
             pool = SlotPool(slot_bytes, max(1, self.slab_bytes // stride), stride)
             self.pools[slot_bytes] = pool
         return pool
 
+    def charge(self, slot_bytes: int) -> int:
+        """What one slot of this size takes of the budget."""
+        return max(slot_bytes, self.min_slot_bytes)
+
     def fits(self, slot_bytes: int) -> bool:
         """Whether one slot of this size can ever fit the budget."""
-        return max(slot_bytes, self.min_slot_bytes) <= self.budget_bytes
+        return self.charge(slot_bytes) <= self.budget_bytes
 
     def alloc(self, slot_bytes: int, count: int) -> list[int]:
         """Up to `count` slots; fewer when the budget is spent (the caller evicts and retries)."""
