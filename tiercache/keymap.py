@@ -16,7 +16,7 @@ EMPTY = 0
 GONE = 1  # a tombstone: probing goes on past it, inserting may reuse it
 _BASE = 2  # a live record stores row + 2
 _MARK = np.uint64(1 << 63)  # a free slot an insert round is assigning (never seen outside it)
-_TAIL = 8  # keys still probing when this few are left are probed one by one
+_TAIL = 48  # keys still probing when this few are left are probed one by one
 _MIN_CAPACITY = 1024
 
 
@@ -126,7 +126,34 @@ class KeyMap:
                 self._undo(written)
                 raise DuplicateKey(int(pending[repeat][0]), "repeats an earlier key of the batch")
             pending, at = pending[going], (at[going] + 1) & self._mask
+            if len(pending) <= _TAIL:  # the few long probes, one by one
+                self._insert_each(pending, at, lo, hi, rows, written)
+                break
         self.count += len(keys)
+
+    def _insert_each(self, pending: np.ndarray, at: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                     rows: np.ndarray, written: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Place the keys still probing, each from its `at`, without numpy's per-call cost."""
+        table, mask = self._table, self._mask
+        taken: list[int] = []
+        held_before: list[int] = []
+        for key, key_lo, key_hi, row, slot in zip(pending.tolist(), lo[pending].tolist(),
+                                                  hi[pending].tolist(), rows[pending].tolist(),
+                                                  at.tolist()):
+            while True:
+                record_lo, record_hi, held = table[slot].tolist()
+                if held < _BASE:
+                    break
+                if record_lo == key_lo and record_hi == key_hi:
+                    written.append((np.array(taken, np.int64), np.array(held_before, np.uint64)))
+                    self._undo(written)
+                    raise DuplicateKey(key, "repeats an earlier key of the batch")
+                slot = (slot + 1) & mask
+            taken.append(slot)
+            held_before.append(held)
+            self._tombstones -= held == GONE
+            table[slot] = (key_lo, key_hi, row + _BASE)
+        written.append((np.array(taken, np.int64), np.array(held_before, np.uint64)))
 
     def _undo(self, written: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """Give slots written by an insert back what they held (empty or a tombstone)."""
@@ -138,9 +165,20 @@ class KeyMap:
         """Remove keys that are present."""
         slots = self._find(keys)[0]
         assert np.all(slots >= 0), "delete of an absent key"
-        self._table[slots, 2] = GONE
+        table = self._table
+        table[slots, 2] = GONE
         self._tombstones += len(keys)
         self.count -= len(keys)
+        # a tombstone right before an empty slot ends every probe that reaches it as the
+        # empty slot would: it becomes empty, and so, in turn, do the tombstones before it
+        # (then later probes stop sooner; after evict-and-store cycles, at their home slot)
+        gone = slots
+        while len(gone):
+            ends = gone[table[(gone + 1) & self._mask, 2] == EMPTY]
+            table[ends, 2] = EMPTY
+            self._tombstones -= len(ends)
+            before = (ends - 1) & self._mask
+            gone = before[table[before, 2] == GONE]
 
     def _make_room(self, extra: int) -> None:
         """Keep the table at most half full (tombstones count), rehashing when needed."""

@@ -167,10 +167,12 @@ class Loads:
         if not staging_ok:
             from_disk = from_disk[:len(promo)]
         pool = self.books.host.pool(nbytes)
-        staging = torch.empty((len(from_disk) - len(promo), nbytes), dtype=torch.uint8,
-                              pin_memory=group.transfer.device.type == "cuda")
-        done.staging.append(staging)
         slots = found.host_slots.copy()
+        staging = torch.empty((0, nbytes), dtype=torch.uint8)
+        if len(from_disk) > len(promo):  # page-locked for a GPU; none for most loads
+            staging = torch.empty((len(from_disk) - len(promo), nbytes), dtype=torch.uint8,
+                                  pin_memory=group.transfer.device.type == "cuda")
+            done.staging.append(staging)
         if len(from_disk):
             bad = self.mover.read(group.kind, entry_rows[from_disk], self.books.keys(entry_rows[from_disk]),
                                   [pool.view(s) for s in promo] + list(staging))

@@ -62,3 +62,19 @@ def test_an_insert_with_a_repeated_or_present_key_is_refused_and_undone():
     assert list(keymap.lookup(keys)) == [-1, 1, -1, -1, -1, -1] and len(keymap) == 1
     keymap.insert(keys[[0, 2, 3]], np.array([0, 2, 3]))  # distinct, absent keys go in
     assert list(keymap.lookup(keys)) == [0, 1, 2, 3, -1, -1]
+
+
+def test_a_repeat_among_long_probes_is_refused_and_undone():
+    """Keys still probing after a few rounds are placed one by one: a repeat among them is
+    found there too, and every slot the batch took is given back."""
+    import pytest
+    from tiercache.keymap import DuplicateKey
+    keys = np.array([[5 + 1024 * i, i] for i in range(120)], np.uint64)  # all hash to slot 5
+    keymap = KeyMap(4096)
+    keymap.insert(keys[:1], np.array([0]))
+    batch = np.concatenate([keys[1:], keys[100:101]])  # key 100 again, last
+    with pytest.raises(DuplicateKey, match=f"key {len(batch) - 1} of the batch repeats"):
+        keymap.insert(batch, np.arange(len(batch)))
+    assert list(keymap.lookup(keys)) == [0] + [-1] * 119 and len(keymap) == 1
+    keymap.insert(keys[1:], np.arange(1, 120))
+    assert list(keymap.lookup(keys)) == list(range(120))

@@ -89,9 +89,9 @@ class SlotPool:
 
     def _count(self, slots: list[int], sign: int) -> None:
         if slots:
-            slabs, counts = np.unique(np.asarray(slots) // self.slots_per_slab, return_counts=True)
-            for slab, n in zip(slabs.tolist(), counts.tolist()):
-                self.used[slab] += sign * n
+            counts = np.bincount(np.asarray(slots, np.int64) // self.slots_per_slab)
+            for slab in np.flatnonzero(counts).tolist():
+                self.used[slab] += sign * int(counts[slab])
 
     def release_empty(self) -> list[torch.Tensor]:
         """Take out the slabs with no slot in use and return them."""
@@ -114,9 +114,11 @@ class SlotPool:
     def parts(self, slots: np.ndarray) -> Iterator[SlabPart]:
         """Split a list of slots by slab (usually one part)."""
         numbers = slots // self.slots_per_slab
-        for number in np.unique(numbers):
-            positions = np.flatnonzero(numbers == number)
-            slab = self.slabs[int(number)]
+        groups = ([(int(numbers[0]), np.arange(len(numbers)))]
+                  if len(numbers) and numbers.min() == numbers.max()  # one slab, without a sort
+                  else [(int(n), np.flatnonzero(numbers == n)) for n in np.unique(numbers)])
+        for number, positions in groups:
+            slab = self.slabs[number]
             assert slab is not None, f"slots {slots[positions]} lie in a released slab"
             yield SlabPart(slab[:, :self.slot_bytes], slots[positions] % self.slots_per_slab,
                            positions)
