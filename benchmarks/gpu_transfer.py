@@ -6,8 +6,10 @@ twice as many rows. Store = worker rows -> daemon (host tier: page-locked memory
 by one Triton launch from the GPU); load = daemon -> other scattered rows. Beside them, in
 the same run, right after each row size: one bulk pinned `copy_` of the same byte count
 each way (the PCIe limit, its best of 9; ours are medians), and a per-row `copy_` loop
-(the naive peer). Times are wall times at the worker, RPC
-included, until the bytes are in place.
+(the naive peer). Times are wall times at the worker, RPC included, until the bytes are
+in place: a load as workers call it by default (the daemon replies once the copy is
+queued, and the worker's stream waits for it; the benchmark then waits for the stream),
+and beside it a load the daemon waits for before it replies (`synchronous=True`).
 
 Then a 32k-token prefix of a Qwen3-Next-shaped layout (12 attention layers x K, V with 2
 KV heads x 256 dims in bf16, pages of 16 tokens; 36 GDN layers with a 32x128x128 fp32
@@ -16,9 +18,10 @@ rows after Store (the daemon's device tier takes the bytes device to device), be
 device-to-device copy of the same bytes; and the reload time from the device tier and
 from the host tier, beside a device-to-device copy and a bulk pinned copy.
 
-With --profile, a third part: where a store and a load of 512 MiB go, step by step
-(tiercache/trace.py: the daemon synchronises with the GPU around each step of a traced
-call), beside the worker's wall time of the same calls (RPC and client included).
+With --profile, a third part: where stores and loads of 512 MiB and of the 32k prefix go,
+step by step (tiercache/trace.py: the daemon synchronises with the GPU around each step
+of a traced call; a second table without synchronising), beside the worker's wall time
+of the same calls and an empty RPC (the health check) on the same daemon.
 """
 
 from __future__ import annotations
@@ -30,8 +33,12 @@ import os
 import tempfile
 import time
 
+from typing import Callable, Sequence
+
+import grpc
 import numpy as np
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.common import best_seconds, median_seconds, print_summary, print_table
 from tiercache_service.process import spawn
@@ -74,7 +81,7 @@ def per_row_loop(buffers, rows, host) -> tuple[float, float]:
     return median_seconds(load, repeat=3), median_seconds(store, repeat=3)
 
 
-def ours(address: str, row_bytes: int) -> tuple[float, float, float, float]:
+def ours(address: str, row_bytes: int) -> tuple[float, float, float, float, float]:
     pages = TOTAL // (BUFFERS * row_bytes)
     layout = Layout(16, paged=tuple(BufferSpec(f"kv{i}", 2 * pages, (row_bytes // 2,), "bfloat16")
                                     for i in range(BUFFERS)))
@@ -88,17 +95,22 @@ def ours(address: str, row_bytes: int) -> tuple[float, float, float, float]:
     def store():
         assert worker.store(keys=keys, kv_rows=src).stored == pages
 
-    def load():
+    def load():  # a worker's default: the reply comes while the copy runs, its stream waits
+        assert worker.load(keys=keys, kv_rows=dst).match.pages == pages
+        torch.cuda.current_stream().synchronize()
+
+    def load_waited():  # the daemon waits for the copy before it replies
         assert worker.load(keys=keys, kv_rows=dst, synchronous=True).match.pages == pages
     store_s = median_seconds(store, repeat=5, setup=lambda: worker.evict(keys=keys))
     load_s = median_seconds(load, repeat=5)
+    waited_s = median_seconds(load_waited, repeat=5)
     raw = [t.view(torch.int16) for t in tensors.values()]
     assert all(torch.equal(t[dst], t[src]) for t in raw)
     host = torch.empty((pages, BUFFERS * row_bytes), dtype=torch.uint8, pin_memory=True)
     naive_load, naive_store = per_row_loop([t.view(torch.uint8).view(2 * pages, -1) for t in tensors.values()],
                                            torch.tensor(src), host)
     worker.close()
-    return load_s, store_s, naive_load, naive_store
+    return load_s, waited_s, store_s, naive_load, naive_store
 
 
 def qwen3_next_layout(pages: int) -> Layout:
@@ -125,14 +137,14 @@ def prefix_32k(address: str) -> dict[str, float]:
     def forget():
         time.sleep(0.5)  # the daemon copies the last store down to the host behind it
         worker.evict(keys=keys)
+    def reload():  # until the bytes are in place: the worker's stream waits for the copy
+        worker.load(keys=keys, kv_rows=dst, slot=1)
+        torch.cuda.current_stream().synchronize()
     store_s = median_seconds(store, repeat=5, setup=forget)
-    device_s = median_seconds(lambda: worker.load(keys=keys, kv_rows=dst, slot=1, synchronous=True),
-                              repeat=5)
-    worker.load(keys=keys, kv_rows=dst, slot=1, synchronous=True)
+    device_s = median_seconds(reload, repeat=5)
     assert all(torch.equal(tensors[b.name][dst].view(torch.int16), tensors[b.name][src].view(torch.int16))
                for b in layout.paged)
-    host_s = median_seconds(lambda: worker.load(keys=keys, kv_rows=dst, slot=1, synchronous=True),
-                            repeat=5, setup=lambda: worker.evict(keys=keys, tier=Tier.DEVICE))
+    host_s = median_seconds(reload, repeat=5, setup=lambda: worker.evict(keys=keys, tier=Tier.DEVICE))
     assert worker.load(keys=keys, kv_rows=dst, slot=1, synchronous=True).bytes_from.keys() == {Tier.HOST}
     worker.close()
     a, b = (torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2))
@@ -151,63 +163,116 @@ def prefix_32k(address: str) -> dict[str, float]:
             "reload_host_32k_over_bulk": host_s / h2d_s}
 
 
-def profile(row_bytes: int, calls: int = 5, sync: bool = True) -> dict[str, dict[str, float]]:
-    """Median milliseconds of each step of a store and a load (and the worker's wall time);
-    without `sync`, the CPU's time in each step of calls whose steps overlap."""
+def _traced(daemon_args: Sequence[str], calls: Callable[[str], list[tuple[str, float]]],
+            sync: bool) -> dict[str, dict[str, float]]:
+    """Run `calls` against a daemon whose traced calls write their spans; `calls` returns
+    (label, worker wall ms) for each traced call, in order. Per label, the median of each
+    step over the calls after the first two (warm-up), and of the worker's wall time."""
     with tempfile.TemporaryDirectory() as folder:
         trace_file = os.path.join(folder, "trace.jsonl")
         os.environ["TIERCACHE_TRACE"] = trace_file
         os.environ["TIERCACHE_TRACE_SYNC"] = "1" if sync else "0"
         try:
-            with spawn(os.path.join(folder, "d"), "--host-budget", "3GiB", "--device-budget", "0",
-                       "--no-disk", forward_output=True) as (address, _):
-                walls = _profiled_calls(address, row_bytes, calls)
+            with spawn(os.path.join(folder, "d"), *daemon_args, forward_output=True) as (address, _):
+                walls = calls(address)
         finally:
             del os.environ["TIERCACHE_TRACE"], os.environ["TIERCACHE_TRACE_SYNC"]
-        spans: dict[str, list[dict]] = collections.defaultdict(list)
         with open(trace_file) as f:
-            for line in f:
-                record = json.loads(line)
-                spans[record["call"]].append(record["ms"])
+            records = [json.loads(line) for line in f]
+    assert len(records) == len(walls), (len(records), len(walls))
+    runs: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+    for (label, wall), record in zip(walls, records):
+        runs[label].append({**record["ms"], "worker wall": wall})
     out = {}
-    for call in ("Store", "Load"):
-        runs = spans[call][-calls:]  # the first calls warm up
-        steps = sorted({k for r in runs for k in r})
-        out[call] = {k: float(np.median([r.get(k, 0.0) for r in runs])) for k in steps}
-        out[call]["worker wall"] = float(np.median(walls[call]))
+    for label, found in runs.items():
+        found = found[2:]  # the first calls warm up
+        steps = sorted({k for r in found for k in r}, key=lambda k: (k == "total", k == "worker wall", k))
+        out[label] = {k: float(np.median([r.get(k, 0.0) for r in found])) for k in steps}
     return out
 
 
-def _profiled_calls(address: str, row_bytes: int, calls: int) -> dict[str, list[float]]:
-    pages = TOTAL // (BUFFERS * row_bytes)
-    layout = Layout(16, paged=tuple(BufferSpec(f"kv{i}", 2 * pages, (row_bytes // 2,), "bfloat16")
-                                    for i in range(BUFFERS)))
-    tensors = {b.name: torch.zeros(b.shape, dtype=torch.bfloat16, device="cuda") for b in layout.paged}
-    worker = Client(address).register("bench-model", layout, buffers=tensors)
-    keys = worker.keys(np.random.default_rng(row_bytes).integers(0, 150_000, pages * 16).tolist())
-    walls: dict[str, list[float]] = collections.defaultdict(list)
-    for _ in range(calls + 2):
-        worker.evict(keys=keys)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        worker.store(keys=keys, kv_rows=range(pages))
-        walls["Store"].append((time.perf_counter() - start) * 1e3)
-        start = time.perf_counter()
-        worker.load(keys=keys, kv_rows=range(pages, 2 * pages), synchronous=True)
-        walls["Load"].append((time.perf_counter() - start) * 1e3)
-    worker.close()
-    return {k: v[-calls:] for k, v in walls.items()}
+def _wall(calls: list[tuple[str, float]], label: str, fn: Callable[[], object]) -> None:
+    start = time.perf_counter()
+    fn()
+    torch.cuda.current_stream().synchronize()
+    calls.append((label, (time.perf_counter() - start) * 1e3))
+
+
+def _empty_rpc_ms(address: str) -> float:
+    """The median of an empty RPC (the health check) from this process to the daemon."""
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+    return median_seconds(lambda: health.Check(health_pb2.HealthCheckRequest()), repeat=200,
+                          warmup=20) * 1e3
+
+
+def _rows_calls(row_bytes: int, rounds: int = 7) -> Callable[[str], list[tuple[str, float]]]:
+    def calls(address: str) -> list[tuple[str, float]]:
+        pages = TOTAL // (BUFFERS * row_bytes)
+        layout = Layout(16, paged=tuple(BufferSpec(f"kv{i}", 2 * pages, (row_bytes // 2,), "bfloat16")
+                                        for i in range(BUFFERS)))
+        tensors = {b.name: torch.zeros(b.shape, dtype=torch.bfloat16, device="cuda") for b in layout.paged}
+        worker = Client(address).register("bench-model", layout, buffers=tensors)
+        keys = worker.keys(np.random.default_rng(row_bytes).integers(0, 150_000, pages * 16).tolist())
+        walls: list[tuple[str, float]] = []
+        for _ in range(rounds):
+            worker.evict(keys=keys)
+            torch.cuda.synchronize()
+            _wall(walls, "store", lambda: worker.store(keys=keys, kv_rows=range(pages)))
+            _wall(walls, "load", lambda: worker.load(keys=keys, kv_rows=range(pages, 2 * pages)))
+            _wall(walls, "load, waited", lambda: worker.load(keys=keys, kv_rows=range(pages, 2 * pages),
+                                                             synchronous=True))
+        worker.close()
+        _EMPTY[address] = _empty_rpc_ms(address)
+        return walls
+    return calls
+
+
+def _prefix_calls(rounds: int = 7) -> Callable[[str], list[tuple[str, float]]]:
+    def calls(address: str) -> list[tuple[str, float]]:
+        pages = 32768 // 16
+        layout = qwen3_next_layout(2 * pages)
+        tensors = {b.name: torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device="cuda")
+                   for b in (*layout.paged, *layout.slots)}
+        worker = Client(address).register("qwen3-next-shaped", layout, buffers=tensors)
+        keys = worker.keys(np.random.default_rng(32).integers(0, 150_000, 32768).tolist())
+        dst = range(pages, 2 * pages)
+        walls: list[tuple[str, float]] = []
+        for _ in range(rounds):
+            time.sleep(0.5)  # the daemon copies the last store down to the host behind it
+            worker.evict(keys=keys)
+            torch.cuda.synchronize()
+            _wall(walls, "32k store", lambda: worker.store(keys=keys, kv_rows=range(pages),
+                                                           checkpoints={32768: 0}))
+            _wall(walls, "32k load, device", lambda: worker.load(keys=keys, kv_rows=dst, slot=1))
+            time.sleep(0.5)
+            worker.evict(keys=keys, tier=Tier.DEVICE)
+            _wall(walls, "32k load, host", lambda: worker.load(keys=keys, kv_rows=dst, slot=1))
+        worker.close()
+        _EMPTY[address] = _empty_rpc_ms(address)
+        return walls
+    return calls
+
+
+_EMPTY: dict[str, float] = {}  # the empty RPC's median ms, by daemon address
 
 
 def print_profile() -> None:
-    for row_bytes, sync in ((4096, True), (1 << 20, True), (4096, False)):
-        found = profile(row_bytes, sync=sync)
-        steps = sorted(set(found["Store"]) | set(found["Load"]), key=lambda k: (k == "total", k == "worker wall", k))
-        how = ("steps synchronised with the GPU" if sync else
-               "not synchronised: the CPU's time in each step, a fence's wait for the GPU")
-        print_table(f"where the time goes: {TOTAL // MiB} MiB in {row_bytes // 1024} KiB rows "
-                    f"(ms, median of 5; {how})", ["step", "store", "load"],
-                    [(k, found["Store"].get(k, 0.0), found["Load"].get(k, 0.0)) for k in steps])
+    host_only = ("--host-budget", "3GiB", "--device-budget", "0", "--no-disk")
+    with_device = ("--host-budget", "4GiB", "--device-budget", "4GiB", "--no-disk")
+    for title, args, calls in ((f"{TOTAL // MiB} MiB in 4 KiB rows", host_only, _rows_calls(4096)),
+                               (f"{TOTAL // MiB} MiB in 1 MiB rows", host_only, _rows_calls(1 << 20)),
+                               ("32k-token Qwen3-Next-shaped prefix", with_device, _prefix_calls())):
+        for sync in (True, False):
+            _EMPTY.clear()
+            found = _traced(args, calls, sync)
+            labels = list(found)
+            steps = sorted({k for f in found.values() for k in f},
+                           key=lambda k: (k == "total", k == "worker wall", k))
+            how = ("steps synchronised with the GPU" if sync else
+                   "not synchronised: the CPU's time in each step, a fence's wait for the GPU")
+            rows = [(k, *(found[label].get(k, 0.0) for label in labels)) for k in steps]
+            rows.append(("empty RPC (health)", *(next(iter(_EMPTY.values())),) * len(labels)))
+            print_table(f"where the time goes: {title} (ms, median of 5; {how})", ["step", *labels], rows)
 
 
 def main() -> None:
@@ -221,21 +286,22 @@ def main() -> None:
     with spawn(tempfile.mkdtemp(prefix="tiercache-bench-"), "--host-budget", "3GiB",
                "--device-budget", "0", "--no-disk", forward_output=True) as (address, _):
         for row_bytes in (4096, 16384, 65536, 1 << 20):
-            load_s, store_s, naive_load, naive_store = ours(address, row_bytes)
+            load_s, waited_s, store_s, naive_load, naive_store = ours(address, row_bytes)
             # the peer right beside each row size (once at the start, it ran while the
             # daemon was still page-locking its memory: 35 instead of 54 GB/s one run)
             h2d, d2h = bulk(TOTAL)
             gbs = lambda s: TOTAL / s / 1e9  # noqa: E731
             label = f"{row_bytes // 1024}k"
-            rows.append((label, gbs(load_s), gbs(naive_load), gbs(h2d), h2d / load_s,
+            rows.append((label, gbs(load_s), gbs(waited_s), gbs(naive_load), gbs(h2d), h2d / load_s,
                          gbs(store_s), gbs(naive_store), gbs(d2h), d2h / store_s))
             summary[f"load_vs_bulk_{label}"] = h2d / load_s
+            summary[f"load_waited_vs_bulk_{label}"] = h2d / waited_s
             summary[f"store_vs_bulk_{label}"] = d2h / store_s
     with spawn(tempfile.mkdtemp(prefix="tiercache-bench-"), "--host-budget", "4GiB",
                "--device-budget", "4GiB", "--no-disk", forward_output=True) as (address, _):
         summary.update(prefix_32k(address))
     print_table(f"{TOTAL // MiB} MiB of scattered rows, {BUFFERS} buffers, worker <-> daemon host tier",
-                ["rows", "load GB/s", "per-row", "bulk h2d", "ratio", "store GB/s", "per-row",
+                ["rows", "load GB/s", "waited", "per-row", "bulk h2d", "ratio", "store GB/s", "per-row",
                  "bulk d2h", "ratio"], rows)
     print_summary(**summary)
 

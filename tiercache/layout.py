@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping
 
 import xxhash
@@ -127,12 +128,12 @@ class Layout:
     def needs_checkpoint(self) -> bool:
         return bool(self.slots)
 
-    @property
+    @cached_property  # asked several times a call: a sum over up to a thousand buffers
     def page_bytes(self) -> int:
         """Bytes of one KV page entry."""
         return sum(b.row_bytes for b in self.paged)
 
-    @property
+    @cached_property
     def checkpoint_bytes(self) -> int:
         return sum(b.row_bytes for b in self.slots)
 

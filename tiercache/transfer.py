@@ -199,13 +199,14 @@ class CudaTransfer:
              direction: str) -> None:
         from tiercache.kernels import copy_rows  # Triton only where there is a GPU
         stream = self._streams[direction]
+        meta = np.empty((2, len(rows)), np.int64)
+        meta[0], meta[1] = rows, addresses
         with torch.cuda.stream(stream):
-            meta = torch.from_numpy(np.stack([rows.astype(np.int64), addresses.astype(np.int64)]))
             # from pageable memory: the driver stages these few KiB before it returns, in
             # stream order (page-locking them took ~0.5 ms a launch, a new block whenever
             # the last one was still in use by a copy in flight)
-            on_device = meta.to(self.device, non_blocking=True)
-            copy_rows(table, on_device[0], on_device[1], to_slots, stream)
+            on_device = torch.from_numpy(meta).to(self.device, non_blocking=True)
+            copy_rows(table, on_device[0], on_device[1], to_slots)  # on the current stream
 
     def gather(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
                rows: np.ndarray, parts: Sequence[SlabPart]) -> None:
