@@ -87,8 +87,7 @@ class Mover:
         nbytes = sum(len(rows) * size for rows, _, size, _ in batch.placed)
         with self.traffic.timed("device", "host", nbytes):
             for _, slots, size, device_slots in batch.placed:
-                pool = books.host.pool(size)
-                addresses = np.array([pool.view(s).data_ptr() for s in slots.tolist()], np.int64)
+                addresses = books.host.pool(size).addresses(np.asarray(slots, np.int64))
                 transfer.copy_entries(list(books.device.pool(size).parts(device_slots)), addresses)
             transfer.fence("move").synchronize()
 

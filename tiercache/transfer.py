@@ -189,8 +189,7 @@ class CudaTransfer:
         """One launch for every part: slot addresses may lie in any slab, any memory."""
         if not parts:
             return
-        addresses = np.concatenate([p.slab.data_ptr() + p.local.astype(np.int64) * p.slab.stride(0)
-                                    for p in parts])
+        addresses = np.concatenate([p.addresses() for p in parts])
         entry_rows = np.concatenate([rows[p.positions] for p in parts])
         self._run(self._table(buffers, offsets), entry_rows, addresses, to_slots,
                   "store" if to_slots else "load")

@@ -40,6 +40,10 @@ class SlabPart:
     local: np.ndarray  # slot indices inside the slab
     positions: np.ndarray  # where these slots stand in the caller's list
 
+    def addresses(self) -> np.ndarray:
+        """The address of each slot's bytes (int64)."""
+        return self.slab.data_ptr() + self.local.astype(np.int64) * self.slab.stride(0)
+
 
 class SlotPool:
     """Slots of one entry size. A slot is `stride` bytes apart from the next (at least the
@@ -110,6 +114,13 @@ class SlotPool:
         slab = self.slabs[slot // self.slots_per_slab]
         assert slab is not None, f"slot {slot} lies in a released slab"
         return slab[slot % self.slots_per_slab, :self.slot_bytes]
+
+    def addresses(self, slots: np.ndarray) -> np.ndarray:
+        """The address of each slot's bytes, in the order given (int64)."""
+        out = np.empty(len(slots), np.int64)
+        for part in self.parts(slots):
+            out[part.positions] = part.addresses()
+        return out
 
     def parts(self, slots: np.ndarray) -> Iterator[SlabPart]:
         """Split a list of slots by slab (usually one part)."""
