@@ -178,10 +178,11 @@ def prefix_32k(address: str) -> dict[str, float]:
 
 
 def _traced(daemon_args: Sequence[str], calls: Callable[[str], list[tuple[str, float]]],
-            sync: bool) -> dict[str, dict[str, float]]:
+            sync: bool) -> tuple[dict[str, dict[str, float]], float]:
     """Run `calls` against a daemon whose traced calls write their spans; `calls` returns
     (label, worker wall ms) for each traced call, in order. Per label, the median of each
-    step over the calls after the first two (warm-up), and of the worker's wall time."""
+    step over the calls after the first two (warm-up), and of the worker's wall time; and
+    the median ms of an empty RPC on the same daemon."""
     with tempfile.TemporaryDirectory() as folder:
         trace_file = os.path.join(folder, "trace.jsonl")
         os.environ["TIERCACHE_TRACE"] = trace_file
@@ -189,6 +190,7 @@ def _traced(daemon_args: Sequence[str], calls: Callable[[str], list[tuple[str, f
         try:
             with spawn(os.path.join(folder, "d"), *daemon_args, forward_output=True) as (address, _):
                 walls = calls(address)
+                empty_ms = _empty_rpc_ms(address)
         finally:
             del os.environ["TIERCACHE_TRACE"], os.environ["TIERCACHE_TRACE_SYNC"]
         with open(trace_file) as f:
@@ -202,7 +204,7 @@ def _traced(daemon_args: Sequence[str], calls: Callable[[str], list[tuple[str, f
         found = found[2:]  # the first calls warm up
         steps = sorted({k for r in found for k in r}, key=lambda k: (k == "total", k == "worker wall", k))
         out[label] = {k: float(np.median([r.get(k, 0.0) for r in found])) for k in steps}
-    return out
+    return out, empty_ms
 
 
 def _wall(calls: list[tuple[str, float]], label: str, fn: Callable[[], object]) -> None:
@@ -236,7 +238,6 @@ def _rows_calls(row_bytes: int, rounds: int = 7) -> Callable[[str], list[tuple[s
             _wall(walls, "load, waited", lambda: worker.load(keys=keys, kv_rows=range(pages, 2 * pages),
                                                              synchronous=True))
         worker.close()
-        _EMPTY[address] = _empty_rpc_ms(address)
         return walls
     return calls
 
@@ -261,12 +262,8 @@ def _prefix_calls(rounds: int = 7) -> Callable[[str], list[tuple[str, float]]]:
             worker.evict(keys=keys, tier=Tier.DEVICE)
             _wall(walls, "32k load, host", lambda: worker.load(keys=keys, kv_rows=dst, slot=1))
         worker.close()
-        _EMPTY[address] = _empty_rpc_ms(address)
         return walls
     return calls
-
-
-_EMPTY: dict[str, float] = {}  # the empty RPC's median ms, by daemon address
 
 
 def print_profile() -> None:
@@ -276,15 +273,14 @@ def print_profile() -> None:
                                (f"{TOTAL // MiB} MiB in 1 MiB rows", host_only, _rows_calls(1 << 20)),
                                ("32k-token Qwen3-Next-shaped prefix", with_device, _prefix_calls())):
         for sync in (True, False):
-            _EMPTY.clear()
-            found = _traced(args, calls, sync)
+            found, empty_ms = _traced(args, calls, sync)
             labels = list(found)
             steps = sorted({k for f in found.values() for k in f},
                            key=lambda k: (k == "total", k == "worker wall", k))
             how = ("steps synchronised with the GPU" if sync else
                    "not synchronised: the CPU's time in each step, a fence's wait for the GPU")
             rows = [(k, *(found[label].get(k, 0.0) for label in labels)) for k in steps]
-            rows.append(("empty RPC (health)", *(next(iter(_EMPTY.values())),) * len(labels)))
+            rows.append(("empty RPC (health)", *(empty_ms,) * len(labels)))
             print_table(f"where the time goes: {title} (ms, median of 5; {how})", ["step", *labels], rows)
 
 
