@@ -81,10 +81,15 @@ def per_row_loop(buffers, rows, host) -> tuple[float, float]:
     return median_seconds(load, repeat=3), median_seconds(store, repeat=3)
 
 
+def rows_layout(pages: int, row_bytes: int) -> Layout:
+    """BUFFERS paged buffers of `row_bytes` rows, twice as many rows as the prompt's pages."""
+    return Layout(16, paged=tuple(BufferSpec(f"kv{i}", 2 * pages, (row_bytes // 2,), "bfloat16")
+                                  for i in range(BUFFERS)))
+
+
 def ours(address: str, row_bytes: int) -> tuple[float, float, float, float, float]:
     pages = TOTAL // (BUFFERS * row_bytes)
-    layout = Layout(16, paged=tuple(BufferSpec(f"kv{i}", 2 * pages, (row_bytes // 2,), "bfloat16")
-                                    for i in range(BUFFERS)))
+    layout = rows_layout(pages, row_bytes)
     tensors = {b.name: torch.randint(-2**15, 2**15, b.shape, dtype=torch.int16, device="cuda"
                                      ).view(torch.bfloat16) for b in layout.paged}
     worker = Client(address).register("bench-model", layout, buffers=tensors)
@@ -224,8 +229,7 @@ def _empty_rpc_ms(address: str) -> float:
 def _rows_calls(row_bytes: int, rounds: int = 7) -> Callable[[str], list[tuple[str, float]]]:
     def calls(address: str) -> list[tuple[str, float]]:
         pages = TOTAL // (BUFFERS * row_bytes)
-        layout = Layout(16, paged=tuple(BufferSpec(f"kv{i}", 2 * pages, (row_bytes // 2,), "bfloat16")
-                                        for i in range(BUFFERS)))
+        layout = rows_layout(pages, row_bytes)
         tensors = {b.name: torch.zeros(b.shape, dtype=torch.bfloat16, device="cuda") for b in layout.paged}
         worker = Client(address).register("bench-model", layout, buffers=tensors)
         keys = worker.keys(np.random.default_rng(row_bytes).integers(0, 150_000, pages * 16).tolist())

@@ -112,8 +112,8 @@ class CpuTransfer:
         tests of the tiers' logic)."""
         for part in parts:
             width = part.slab.shape[1]
-            for local, at in zip(part.local.tolist(), addresses[part.positions].tolist()):
-                ctypes.memmove(at, part.slab[local].data_ptr(), width)
+            for source, at in zip(part.addresses().tolist(), addresses[part.positions].tolist()):
+                ctypes.memmove(at, source, width)
 
     def wait_for(self, event: object, direction: str) -> None:
         """Copies here are synchronous: there is nothing to wait for."""
