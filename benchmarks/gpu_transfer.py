@@ -18,10 +18,13 @@ rows after Store (the daemon's device tier takes the bytes device to device), be
 device-to-device copy of the same bytes; and the reload time from the device tier and
 from the host tier, beside a device-to-device copy and a bulk pinned copy.
 
-With --profile, a third part: where stores and loads of 512 MiB and of the 32k prefix go,
-step by step (tiercache/trace.py: the daemon synchronises with the GPU around each step
-of a traced call; a second table without synchronising), beside the worker's wall time
-of the same calls and an empty RPC (the health check) on the same daemon.
+With --profile, first: where stores and loads of 512 MiB and of the 32k prefix go, step
+by step (tiercache/trace.py: the daemon synchronises with the GPU around each step of a
+traced call; a second table without synchronising), beside the worker's wall time of the
+same calls and an empty RPC (the health check) on the same daemon; the same calls on
+the worker's clock (when the daemon's call starts, when it queues its first copy, when
+the GPU starts and ends copying, when the reply comes); and the copy alone, by the Triton
+kernel and by the copy engines, beside a bulk copy.
 """
 
 from __future__ import annotations
@@ -182,12 +185,16 @@ def prefix_32k(address: str) -> dict[str, float]:
             "reload_host_32k_over_bulk": host_s / h2d_s}
 
 
-def _traced(daemon_args: Sequence[str], calls: Callable[[str], list[tuple[str, float]]],
-            sync: bool) -> tuple[dict[str, dict[str, float]], float]:
+Wall = tuple[str, float, float, float]  # label, start (perf_counter ms), reply and done (ms after start)
+
+
+def _traced(daemon_args: Sequence[str], calls: Callable[[str], list[Wall]], sync: bool
+            ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]], float]:
     """Run `calls` against a daemon whose traced calls write their spans; `calls` returns
-    (label, worker wall ms) for each traced call, in order. Per label, the median of each
-    step over the calls after the first two (warm-up), and of the worker's wall time; and
-    the median ms of an empty RPC on the same daemon."""
+    a Wall for each traced call, in order. Per label, the median of each step over the
+    calls after the first two (warm-up), and of the worker's wall time; the median
+    timeline of the same calls (`_timeline`); and the median ms of an empty RPC on the
+    same daemon."""
     with tempfile.TemporaryDirectory() as folder:
         trace_file = os.path.join(folder, "trace.jsonl")
         os.environ["TIERCACHE_TRACE"] = trace_file
@@ -201,22 +208,39 @@ def _traced(daemon_args: Sequence[str], calls: Callable[[str], list[tuple[str, f
         with open(trace_file) as f:
             records = [json.loads(line) for line in f]
     assert len(records) == len(walls), (len(records), len(walls))
-    runs: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
-    for (label, wall), record in zip(walls, records):
-        runs[label].append({**record["ms"], "worker wall": wall})
-    out = {}
-    for label, found in runs.items():
-        found = found[2:]  # the first calls warm up
-        steps = sorted({k for r in found for k in r}, key=lambda k: (k == "total", k == "worker wall", k))
-        out[label] = {k: float(np.median([r.get(k, 0.0) for r in found])) for k in steps}
-    return out, empty_ms
+    steps: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+    lines: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+    for (label, start, reply, done), record in zip(walls, records):
+        steps[label].append({**record["ms"], "worker wall": done})
+        lines[label].append(_timeline(record, start, reply, done))
+    medians = lambda found: {k: float(np.median([r.get(k, 0.0) for r in found[2:]]))  # noqa: E731
+                             for k in sorted({k for r in found for k in r},
+                                             key=lambda k: (k == "total", k == "worker wall", k))}
+    return ({label: medians(found) for label, found in steps.items()},
+            {label: medians(found) for label, found in lines.items()}, empty_ms)
 
 
-def _wall(calls: list[tuple[str, float]], label: str, fn: Callable[[], object]) -> None:
+TIMELINE = ("daemon's call starts", "first copy queued", "GPU starts copying", "GPU ends copying",
+            "GPU copying (sum)", "daemon replies", "worker has the reply", "worker's bytes in place")
+
+
+def _timeline(record: dict, start: float, reply: float, done: float) -> dict[str, float]:
+    """One call on the worker's clock: ms after the worker started it (the daemon's
+    monotonic clock is the worker's: one machine)."""
+    at = record["at"] - start
+    copies = record["gpu"] or [["", 0.0, 0.0, 0.0]]
+    values = (at, at + min(c[1] for c in copies), at + min(c[2] for c in copies),
+              at + max(c[3] for c in copies), sum(c[3] - c[2] for c in copies),
+              at + record["ms"]["total"], reply, done)
+    return dict(zip(TIMELINE, values))
+
+
+def _wall(calls: list[Wall], label: str, fn: Callable[[], object]) -> None:
     start = time.perf_counter()
     fn()
+    reply = time.perf_counter()
     torch.cuda.current_stream().synchronize()
-    calls.append((label, (time.perf_counter() - start) * 1e3))
+    calls.append((label, start * 1e3, (reply - start) * 1e3, (time.perf_counter() - start) * 1e3))
 
 
 def _empty_rpc_ms(address: str) -> float:
@@ -226,14 +250,14 @@ def _empty_rpc_ms(address: str) -> float:
                           warmup=20) * 1e3
 
 
-def _rows_calls(row_bytes: int, rounds: int = 7) -> Callable[[str], list[tuple[str, float]]]:
+def _rows_calls(row_bytes: int, rounds: int = 7) -> Callable[[str], list[Wall]]:
     def calls(address: str) -> list[tuple[str, float]]:
         pages = TOTAL // (BUFFERS * row_bytes)
         layout = rows_layout(pages, row_bytes)
         tensors = {b.name: torch.zeros(b.shape, dtype=torch.bfloat16, device="cuda") for b in layout.paged}
         worker = Client(address).register("bench-model", layout, buffers=tensors)
         keys = worker.keys(np.random.default_rng(row_bytes).integers(0, 150_000, pages * 16).tolist())
-        walls: list[tuple[str, float]] = []
+        walls: list[Wall] = []
         for _ in range(rounds):
             worker.evict(keys=keys)
             torch.cuda.synchronize()
@@ -246,7 +270,7 @@ def _rows_calls(row_bytes: int, rounds: int = 7) -> Callable[[str], list[tuple[s
     return calls
 
 
-def _prefix_calls(rounds: int = 7) -> Callable[[str], list[tuple[str, float]]]:
+def _prefix_calls(rounds: int = 7) -> Callable[[str], list[Wall]]:
     def calls(address: str) -> list[tuple[str, float]]:
         pages = 32768 // 16
         layout = qwen3_next_layout(2 * pages)
@@ -255,7 +279,7 @@ def _prefix_calls(rounds: int = 7) -> Callable[[str], list[tuple[str, float]]]:
         worker = Client(address).register("qwen3-next-shaped", layout, buffers=tensors)
         keys = worker.keys(np.random.default_rng(32).integers(0, 150_000, 32768).tolist())
         dst = range(pages, 2 * pages)
-        walls: list[tuple[str, float]] = []
+        walls: list[Wall] = []
         for _ in range(rounds):
             forget(worker, keys, address)
             torch.cuda.synchronize()
@@ -277,7 +301,7 @@ def print_profile() -> None:
                                (f"{TOTAL // MiB} MiB in 1 MiB rows", host_only, _rows_calls(1 << 20)),
                                ("32k-token Qwen3-Next-shaped prefix", with_device, _prefix_calls())):
         for sync in (True, False):
-            found, empty_ms = _traced(args, calls, sync)
+            found, lines, empty_ms = _traced(args, calls, sync)
             labels = list(found)
             steps = sorted({k for f in found.values() for k in f},
                            key=lambda k: (k == "total", k == "worker wall", k))
@@ -286,6 +310,76 @@ def print_profile() -> None:
             rows = [(k, *(found[label].get(k, 0.0) for label in labels)) for k in steps]
             rows.append(("empty RPC (health)", *(empty_ms,) * len(labels)))
             print_table(f"where the time goes: {title} (ms, median of 5; {how})", ["step", *labels], rows)
+            if not sync:  # synchronised steps would stretch the timeline
+                print_table(f"when, on the worker's clock: {title} (ms after the worker's call "
+                            "starts, median of 5)", ["event", *labels],
+                            [(k, *(lines[label][k] for label in labels)) for k in TIMELINE])
+    print_copy_alone()
+
+
+def print_copy_alone() -> None:
+    """The copy alone, beside a bulk copy, all timed by CUDA events: 512 MiB of rows of
+    the benchmark's buffers to and from page-locked slots from cudaHostAlloc (as the host
+    tier's), by the Triton kernel and by the copy engines (copy_engines.py; rows under 64
+    KiB not tried: the driver's work per row makes them slow), and the CPU time of
+    queuing a load the way CudaTransfer does (it picks the engines for rows of
+    copy_engines.MIN_ROW_BYTES and more)."""
+    from tiercache import copy_engines
+    from tiercache.kernels import BufferTable, copy_rows
+    from tiercache.tiers.host import HostMemory
+    from tiercache.transfer import CudaTransfer
+    memory, rows_out = HostMemory(pin=True), []
+    transfer = CudaTransfer.open(torch.device("cuda"))
+    stream = transfer.streams[0]
+    for row_bytes in (4096, 16384, 65536, 1 << 17, 1 << 18, 1 << 19, 1 << 20):
+        pages = TOTAL // (BUFFERS * row_bytes)
+        buffers = [torch.zeros((2 * pages, row_bytes), dtype=torch.uint8, device="cuda")
+                   for _ in range(BUFFERS)]
+        slots = memory.allocate(pages, BUFFERS * row_bytes)
+        table = BufferTable.of(buffers, [b * row_bytes for b in range(BUFFERS)], torch.device("cuda"))
+        order = torch.randperm(2 * pages)[:pages]
+        rows = order.cuda()
+        host_rows = order.numpy()
+        host_addresses = slots.data_ptr() + np.arange(pages, dtype=np.int64) * slots.stride(0)
+        addresses = torch.from_numpy(host_addresses).cuda()
+        worker, slot, sizes = copy_engines.row_addresses(table.host, host_rows, host_addresses)
+        flat = slots.view(-1)
+        device = torch.empty(flat.numel(), dtype=torch.uint8, device="cuda")
+
+        def timed(fn: Callable[[], None]) -> float:
+            times = []
+            for _ in range(11):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(stream):
+                    start.record(stream)
+                    fn()
+                    end.record(stream)
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            return float(np.median(times[2:]))
+        h2d = timed(lambda: device.copy_(flat, non_blocking=True))
+        d2h = timed(lambda: flat.copy_(device, non_blocking=True))
+        kernel = (h2d / timed(lambda: copy_rows(table, rows, addresses, False)),
+                  d2h / timed(lambda: copy_rows(table, rows, addresses, True)))
+        engines: tuple = ("-", "-")
+        if row_bytes >= 65536:
+            engines = (h2d / timed(lambda: copy_engines.copy(worker, slot, sizes, stream.cuda_stream)),
+                       d2h / timed(lambda: copy_engines.copy(slot, worker, sizes, stream.cuda_stream)))
+        queued = []
+        for _ in range(21):
+            start = time.perf_counter()
+            transfer._run(table, host_rows, host_addresses, False, "load", slots_on_host=True)
+            queued.append((time.perf_counter() - start) * 1e3)
+            transfer.synchronize()
+        rows_out.append((f"{row_bytes // 1024}k", kernel[0], engines[0], kernel[1], engines[1], h2d, d2h,
+                         float(np.median(queued[3:]))))
+        memory.release(slots)
+        del buffers, device
+    memory.close()
+    print_table(f"the copy alone, {TOTAL // MiB} MiB, {BUFFERS} buffers <-> cudaHostAlloc slots: ratio to "
+                "a bulk copy (CUDA events, median of 9)",
+                ["rows", "load, kernel", "load, engines", "store, kernel", "store, engines",
+                 "bulk h2d ms", "bulk d2h ms", "CPU ms to queue a load"], rows_out)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -68,6 +69,7 @@ class BufferTable:
     offset: torch.Tensor  # int64 offset of the row inside an entry
     max_width: int
     min_width: int
+    host: np.ndarray  # int64 (4, buffers): base, stride, width, offset (copy_engines.py)
 
     @classmethod
     def of(cls, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
@@ -77,10 +79,10 @@ class BufferTable:
             if any(v % ALIGN for v in (b.data_ptr(), b.stride(0), b.shape[1], at)):
                 raise ValueError(f"a buffer's address, row stride, row bytes or entry offset is not "
                                  f"{ALIGN}-byte aligned: the GPU copy needs aligned rows")
-        column = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(column([b.data_ptr() for b in buffers]), column([b.stride(0) for b in buffers]),
-                   column([b.shape[1] for b in buffers]), column(list(offsets)),
-                   max(b.shape[1] for b in buffers), min(b.shape[1] for b in buffers))
+        host = np.array([[b.data_ptr() for b in buffers], [b.stride(0) for b in buffers],
+                         [b.shape[1] for b in buffers], list(offsets)], np.int64).reshape(4, -1)
+        on_device = torch.from_numpy(host).to(device)
+        return cls(*on_device, int(host[2].max()), int(host[2].min()), host)
 
 
 def copy_rows(table: BufferTable, rows: torch.Tensor, slot_addresses: torch.Tensor,

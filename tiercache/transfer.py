@@ -9,8 +9,10 @@ worker, by where its buffers live:
 - CpuTransfer: one vectorised copy per buffer on a few threads, reading or writing the
   arena side as a slice whenever the slots form a consecutive run (the usual case), so
   every byte is copied once. Synchronous.
-- CudaTransfer: one Triton launch per batch over all buffers (kernels.py), on this
-  GPU's own streams; `fence` hands back the event that marks the batch done.
+- CudaTransfer: one Triton launch per batch over all buffers (kernels.py), or, for rows
+  long enough and slots in host memory, one batch of copies on the copy engines
+  (copy_engines.py); on this GPU's own streams; `fence` hands back the event that marks
+  the batch done.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 import torch
 
+from tiercache import copy_engines, trace
 from tiercache.tiers.arena import SlabPart
 
 
@@ -192,15 +195,25 @@ class CudaTransfer:
         addresses = np.concatenate([p.addresses() for p in parts])
         entry_rows = np.concatenate([rows[p.positions] for p in parts])
         self._run(self._table(buffers, offsets), entry_rows, addresses, to_slots,
-                  "store" if to_slots else "load")
+                  "store" if to_slots else "load", not any(p.slab.is_cuda for p in parts))
 
     def _run(self, table: Any, rows: np.ndarray, addresses: np.ndarray, to_slots: bool,
-             direction: str) -> None:
+             direction: str, slots_on_host: bool) -> None:
+        """Copy row rows[i] of every buffer of `table` to (or from) the slot at addresses[i]:
+        on the copy engines where every row is long and the slots are in host memory (the
+        engines reach the PCIe limit there, and leave the SMs to the worker), else in one
+        Triton launch."""
         from tiercache.kernels import copy_rows  # Triton only where there is a GPU
         stream = self._streams[direction]
+        if slots_on_host and table.min_width >= copy_engines.MIN_ROW_BYTES and copy_engines.available():
+            worker, slots, sizes = copy_engines.row_addresses(table.host, rows, addresses)
+            dst, src = (slots, worker) if to_slots else (worker, slots)
+            with trace.gpu(direction, stream):
+                copy_engines.copy(dst, src, sizes, stream.cuda_stream)
+            return
         meta = np.empty((2, len(rows)), np.int64)
         meta[0], meta[1] = rows, addresses
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), trace.gpu(direction, stream):
             # from pageable memory: the driver stages these few KiB before it returns, in
             # stream order (page-locking them took ~0.5 ms a launch, a new block whenever
             # the last one was still in use by a copy in flight)
@@ -227,7 +240,7 @@ class CudaTransfer:
             # table overwrote it under the running kernel: illegal addresses on the H100)
             with torch.cuda.stream(self._streams["move"]):
                 table = BufferTable.of((part.slab,), [0], self.device)
-            self._run(table, part.local, addresses[part.positions], True, "move")
+            self._run(table, part.local, addresses[part.positions], True, "move", slots_on_host=True)
 
     def fence(self, direction: str, interprocess: bool = False,
               into: torch.cuda.Event | None = None) -> torch.cuda.Event:

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [
     {"errors", "failpoints", "flops", "v1", "trace", "channel"},
     {"keymap", "hashing", "layout", "results"},
-    {"counters", "metrics", "chores", "tenancy", "buffers", "shm", "cuda_ipc", "kernels",
+    {"counters", "metrics", "chores", "tenancy", "buffers", "shm", "cuda_ipc", "kernels", "copy_engines",
      "tiers.arena", "tiers.lmdb_format", "events", "tiers.remote.entry", "tiers.remote.resp",
      "tiers.remote.incidents", "tiers.remote.store", "tiers.remote.redis_cluster",
      "tiers.remote.adapters"},

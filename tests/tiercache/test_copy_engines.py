@@ -1,0 +1,114 @@
+"""Rows on the copy engines (tiercache/copy_engines.py): the addresses each row's copy
+gets (any machine) and, on a GPU, stores, loads and copies down of long rows through
+CudaTransfer, exact, while short rows and slots in device memory stay with the kernel."""
+
+import numpy as np
+import pytest
+import torch
+
+from tiercache import copy_engines
+from tiercache.copy_engines import MIN_ROW_BYTES, row_addresses
+from tiercache.tiers.arena import SlabPart
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_each_entry_and_buffer_gets_its_row_its_place_in_the_slot_and_its_size():
+    # two buffers: base, row stride, row bytes, offset inside an entry
+    table = np.array([[1 << 40, 1 << 41], [64, 256], [32, 128], [0, 32]], np.int64)
+    rows, slots = np.array([3, 0, 7]), np.array([9 << 30, 7 << 30, 8 << 30], np.int64)
+    worker, slot, sizes = row_addresses(table, rows, slots)
+    expected = [(base + r * stride, s + at, width) for r, s in zip(rows.tolist(), slots.tolist())
+                for base, stride, width, at in table.T.tolist()]
+    assert list(zip(worker.tolist(), slot.tolist(), sizes.tolist())) == expected
+    assert worker.dtype == slot.dtype == sizes.dtype == np.uint64
+
+
+def test_without_a_driver_that_has_them_the_copy_says_what_is_missing(monkeypatch):
+    monkeypatch.setattr(copy_engines, "_entry", lambda: None)
+    assert not copy_engines.available()
+    with pytest.raises(RuntimeError, match="cuMemcpyBatchAsync"):
+        copy_engines.copy(np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.ones(1, np.uint64), 1)
+
+
+@pytest.fixture
+def engine_calls(monkeypatch):
+    """The row counts of the batches queued on the copy engines (the copies still run)."""
+    calls, real = [], copy_engines.copy
+
+    def spy(dsts, srcs, sizes, stream):
+        calls.append(len(dsts))
+        real(dsts, srcs, sizes, stream)
+    monkeypatch.setattr(copy_engines, "copy", spy)
+    return calls
+
+
+def random_rows(rows, width, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen).cuda()
+
+
+def host_slab(slots, width):
+    from tiercache.tiers.host import HostMemory
+    memory = HostMemory(pin=True)
+    slab = memory.allocate(slots, width)
+    slab.fill_(0xA5)
+    return memory, slab
+
+
+@gpu
+@pytest.mark.parametrize("short", [False, True])
+def test_rows_reach_host_slots_and_come_back_exactly_on_the_engines_or_the_kernel(engine_calls, short):
+    from tiercache.transfer import CudaTransfer
+    assert copy_engines.available()  # drivers of CUDA 12.8 and later
+    width = 4096 if short else MIN_ROW_BYTES
+    widths = [width, 2 * width + 4096]  # the shortest row decides
+    source = [random_rows(8, w, seed) for seed, w in enumerate(widths)]
+    offsets, entry = [0, widths[0]], sum(widths)
+    memory, slab = host_slab(6, entry)
+    transfer = CudaTransfer.open(torch.device("cuda"))
+    part = SlabPart(slab, np.array([5, 1, 3]), np.arange(3))
+    transfer.gather(source, offsets, np.array([7, 2, 0]), [part])
+    transfer.fence("store").synchronize()
+    for n, s in enumerate((5, 1, 3)):
+        for b, at in enumerate(offsets):
+            assert torch.equal(slab[s, at:at + widths[b]].cuda(), source[b][[7, 2, 0][n]])
+    assert torch.all(slab[[0, 2, 4]] == 0xA5)  # slots nobody stored to stay as they were
+    dest = [torch.zeros_like(b) for b in source]
+    transfer.scatter([part], dest, offsets, np.array([1, 6, 4]))
+    transfer.fence("load").synchronize()
+    for n, r in enumerate((1, 6, 4)):
+        for b in range(2):
+            assert torch.equal(dest[b][r], source[b][[7, 2, 0][n]])
+    assert int(dest[0][0].sum()) == 0
+    assert engine_calls == ([] if short else [6, 6])  # 3 entries x 2 buffers, each way
+    transfer.close()
+    memory.release(slab)
+
+
+@gpu
+def test_slots_in_device_memory_stay_with_the_kernel(engine_calls):
+    from tiercache.transfer import CudaTransfer
+    source = [random_rows(4, MIN_ROW_BYTES, 3)]
+    slab = torch.full((2, MIN_ROW_BYTES), 0xA5, dtype=torch.uint8, device="cuda")
+    transfer = CudaTransfer.open(torch.device("cuda"))
+    transfer.gather(source, [0], np.array([3, 1]), [SlabPart(slab, np.array([1, 0]), np.arange(2))])
+    transfer.fence("store").synchronize()
+    assert torch.equal(slab[1], source[0][3]) and torch.equal(slab[0], source[0][1])
+    assert engine_calls == []
+
+
+@gpu
+def test_long_entries_go_down_from_device_slots_to_host_slots_on_the_engines(engine_calls):
+    from tiercache.transfer import CudaTransfer
+    device_slab = random_rows(3, MIN_ROW_BYTES + 1024, 5)
+    memory, host = host_slab(4, MIN_ROW_BYTES + 1024)
+    transfer = CudaTransfer.open(torch.device("cuda"))
+    addresses = host.data_ptr() + np.array([2, 0, 3], np.int64) * host.stride(0)
+    transfer.copy_entries([SlabPart(device_slab, np.array([0, 2]), np.array([0, 2]))], addresses)
+    transfer.fence("move").synchronize()
+    assert torch.equal(host[2].cuda(), device_slab[0]) and torch.equal(host[3].cuda(), device_slab[2])
+    assert torch.all(host[[0, 1]] == 0xA5)
+    assert engine_calls == [2]
+    transfer.close()
+    memory.release(host)

@@ -1,0 +1,87 @@
+"""Batched row copies on the GPU's copy engines: one cuMemcpyBatchAsync call (CUDA 12.8+
+driver) queues a copy per row, between worker rows and entry slots in page-locked host
+memory, on a stream, without taking the SMs from the worker's kernels.
+
+Measured on an H200 (2026-11-26, 512 MiB in 24 buffers <-> cudaHostAlloc slots, CUDA
+events): rows of 1 MiB move at 0.97-0.98 of one bulk pinned copy either way, where the
+Triton kernel (kernels.py) reaches 0.92-0.94; rows of 64 KiB at 0.70 and of 16 KiB at
+0.5, the driver's work per copy: the engines take rows of MIN_ROW_BYTES and more.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Callable
+
+import numpy as np
+
+MIN_ROW_BYTES = 256 * 1024
+
+_ACCESS_IN_STREAM_ORDER = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+
+
+class _Location(ctypes.Structure):  # CUmemLocation: no hint
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _Attributes(ctypes.Structure):  # CUmemcpyAttributes
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_hint", _Location),
+                ("dst_hint", _Location), ("flags", ctypes.c_uint)]
+
+
+@functools.cache
+def _entry() -> tuple[Callable[..., int], bool] | None:
+    """The driver's batch copy and whether it is the CUDA 13 form (no failIdx), or None
+    where the driver has none (older than 12.8, or no driver)."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    for name, current in (("cuMemcpyBatchAsync_v2", True), ("cuMemcpyBatchAsync", False)):
+        try:
+            function = getattr(driver, name)
+        except AttributeError:
+            continue
+        function.restype = ctypes.c_int
+        return function, current
+    return None
+
+
+def available() -> bool:
+    return _entry() is not None
+
+
+def row_addresses(host_table: np.ndarray, rows: np.ndarray, slots: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(worker row addresses, slot addresses, sizes), one per entry and buffer, as uint64:
+    `host_table` is BufferTable.host (base, stride, width, offset per buffer), `rows` the
+    worker row of each entry, `slots` the address of each entry's slot."""
+    base, stride, width, offset = host_table
+    worker = base[None, :] + rows.astype(np.int64)[:, None] * stride[None, :]
+    slot = slots.astype(np.int64)[:, None] + offset[None, :]
+    sizes = np.broadcast_to(width[None, :], worker.shape)
+    return (worker.astype(np.uint64).ravel(), slot.astype(np.uint64).ravel(),
+            np.ascontiguousarray(sizes, np.uint64).ravel())
+
+
+def copy(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+    """Queue sizes[i] bytes from srcs[i] to dsts[i] for every i on the CUDA stream handle
+    `stream` (not the legacy default stream), in its order. The arrays are read during
+    the call; the bytes they point at, when the stream gets there."""
+    entry = _entry()
+    if entry is None:
+        raise RuntimeError("this CUDA driver has no cuMemcpyBatchAsync (CUDA 12.8 or later)")
+    function, current = entry
+    count = len(dsts)
+    if not count:
+        return
+    arrays = [np.ascontiguousarray(a, np.uint64) for a in (dsts, srcs, sizes)]
+    attributes, first = _Attributes(_ACCESS_IN_STREAM_ORDER), (ctypes.c_size_t * 1)(0)
+    args: list = [*(ctypes.c_void_p(a.ctypes.data) for a in arrays), ctypes.c_size_t(count),
+                  ctypes.byref(attributes), first, ctypes.c_size_t(1)]
+    if not current:
+        args.append(ctypes.byref(ctypes.c_size_t(0)))  # failIdx
+    status = function(*args, ctypes.c_void_p(stream))
+    if status != 0:
+        raise RuntimeError(f"cuMemcpyBatchAsync of {count} rows failed: CUDA error {status}")
