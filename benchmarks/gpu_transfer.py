@@ -368,7 +368,8 @@ def print_copy_alone() -> None:
         queued = []
         for _ in range(21):
             start = time.perf_counter()
-            transfer._run(table, host_rows, host_addresses, False, "load", slots_on_host=True)
+            transfer._run(table, host_rows, host_addresses, False, "load",
+                          engines=row_bytes >= copy_engines.MIN_ROW_BYTES)
             queued.append((time.perf_counter() - start) * 1e3)
             transfer.synchronize()
         rows_out.append((f"{row_bytes // 1024}k", kernel[0], engines[0], kernel[1], engines[1], h2d, d2h,

@@ -3,9 +3,19 @@ driver) queues a copy per row, between worker rows and entry slots in page-locke
 memory, on a stream, without taking the SMs from the worker's kernels.
 
 Measured on an H200 (2026-11-26, 512 MiB in 24 buffers <-> cudaHostAlloc slots, CUDA
-events): rows of 1 MiB move at 0.97-0.98 of one bulk pinned copy either way, where the
-Triton kernel (kernels.py) reaches 0.92-0.94; rows of 64 KiB at 0.70 and of 16 KiB at
-0.5, the driver's work per copy: the engines take rows of MIN_ROW_BYTES and more.
+events; benchmarks.gpu_transfer --profile), ratio to one bulk pinned copy, load / store:
+
+| rows | 64 KiB | 128 KiB | 256 KiB | 512 KiB | 1 MiB |
+| --- | --- | --- | --- | --- | --- |
+| copy engines | 0.68 / 0.69 | 0.81 / 0.82 | 0.88 / 0.89 | 0.92 / 0.95 | 0.97 / 0.98 |
+| Triton kernel | 0.93 / 0.95 | 0.92 / 0.96 | 0.92 / 0.95 | 0.92 / 0.95 | 0.92 / 0.95 |
+
+and the driver spends about a microsecond of CPU per row before the call returns. So
+copies a worker waits for take the engines from MIN_ROW_BYTES, where they are faster;
+moves between tiers behind the worker's back (copies down) from MIN_MOVE_BYTES, where
+they are nearly as fast and leave the SMs to the worker's kernels (a reload from the
+device tier right behind a store had 1.1 ms of copying with the copy down on the engines,
+3.3 ms with it on the SMs).
 """
 
 from __future__ import annotations
@@ -16,7 +26,8 @@ from typing import Callable
 
 import numpy as np
 
-MIN_ROW_BYTES = 256 * 1024
+MIN_ROW_BYTES = 1 << 20
+MIN_MOVE_BYTES = 256 * 1024
 
 _ACCESS_IN_STREAM_ORDER = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 

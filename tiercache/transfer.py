@@ -11,8 +11,8 @@ worker, by where its buffers live:
   every byte is copied once. Synchronous.
 - CudaTransfer: one Triton launch per batch over all buffers (kernels.py), or, for rows
   long enough and slots in host memory, one batch of copies on the copy engines
-  (copy_engines.py); on this GPU's own streams; `fence` hands back the event that marks
-  the batch done.
+  (copy_engines.py says when); on this GPU's own streams; `fence` hands back the event
+  that marks the batch done.
 """
 
 from __future__ import annotations
@@ -194,18 +194,18 @@ class CudaTransfer:
             return
         addresses = np.concatenate([p.addresses() for p in parts])
         entry_rows = np.concatenate([rows[p.positions] for p in parts])
-        self._run(self._table(buffers, offsets), entry_rows, addresses, to_slots,
-                  "store" if to_slots else "load", not any(p.slab.is_cuda for p in parts))
+        table = self._table(buffers, offsets)
+        engines = table.min_width >= copy_engines.MIN_ROW_BYTES and not any(p.slab.is_cuda for p in parts)
+        self._run(table, entry_rows, addresses, to_slots, "store" if to_slots else "load", engines)
 
     def _run(self, table: Any, rows: np.ndarray, addresses: np.ndarray, to_slots: bool,
-             direction: str, slots_on_host: bool) -> None:
+             direction: str, engines: bool = False) -> None:
         """Copy row rows[i] of every buffer of `table` to (or from) the slot at addresses[i]:
-        on the copy engines where every row is long and the slots are in host memory (the
-        engines reach the PCIe limit there, and leave the SMs to the worker), else in one
-        Triton launch."""
+        on the copy engines if asked (where the driver has them), else in one Triton
+        launch."""
         from tiercache.kernels import copy_rows  # Triton only where there is a GPU
         stream = self._streams[direction]
-        if slots_on_host and table.min_width >= copy_engines.MIN_ROW_BYTES and copy_engines.available():
+        if engines and copy_engines.available():
             worker, slots, sizes = copy_engines.row_addresses(table.host, rows, addresses)
             dst, src = (slots, worker) if to_slots else (worker, slots)
             with trace.gpu(direction, stream):
@@ -230,8 +230,8 @@ class CudaTransfer:
 
     def copy_entries(self, parts: Sequence[SlabPart], addresses: np.ndarray) -> None:
         """Copy whole entries from slots of this GPU's arena (`parts`) to the slots at
-        `addresses` (in host memory, usually), on the "move" stream: one launch per slab,
-        the slab seen as a buffer whose rows are its slots."""
+        `addresses` (in host memory), on the "move" stream: one launch per slab, the slab
+        seen as a buffer whose rows are its slots (on the copy engines for long entries)."""
         from tiercache.kernels import BufferTable
         for part in parts:  # a table per slab and call: slabs come and go, and a cached
             # one would keep a released slab alive (or, keyed by address, mistake a new one).
@@ -240,7 +240,8 @@ class CudaTransfer:
             # table overwrote it under the running kernel: illegal addresses on the H100)
             with torch.cuda.stream(self._streams["move"]):
                 table = BufferTable.of((part.slab,), [0], self.device)
-            self._run(table, part.local, addresses[part.positions], True, "move", slots_on_host=True)
+            self._run(table, part.local, addresses[part.positions], True, "move",
+                      engines=table.min_width >= copy_engines.MIN_MOVE_BYTES)
 
     def fence(self, direction: str, interprocess: bool = False,
               into: torch.cuda.Event | None = None) -> torch.cuda.Event:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tiercache import copy_engines
-from tiercache.copy_engines import MIN_ROW_BYTES, row_addresses
+from tiercache.copy_engines import MIN_MOVE_BYTES, MIN_ROW_BYTES, row_addresses
 from tiercache.tiers.arena import SlabPart
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -100,9 +100,10 @@ def test_slots_in_device_memory_stay_with_the_kernel(engine_calls):
 
 @gpu
 def test_long_entries_go_down_from_device_slots_to_host_slots_on_the_engines(engine_calls):
+    # entries shorter than a worker's copies need: moves leave the SMs to the worker
     from tiercache.transfer import CudaTransfer
-    device_slab = random_rows(3, MIN_ROW_BYTES + 1024, 5)
-    memory, host = host_slab(4, MIN_ROW_BYTES + 1024)
+    device_slab = random_rows(3, MIN_MOVE_BYTES + 1024, 5)
+    memory, host = host_slab(4, MIN_MOVE_BYTES + 1024)
     transfer = CudaTransfer.open(torch.device("cuda"))
     addresses = host.data_ptr() + np.array([2, 0, 3], np.int64) * host.stride(0)
     transfer.copy_entries([SlabPart(device_slab, np.array([0, 2]), np.array([0, 2]))], addresses)
