@@ -59,6 +59,11 @@ def _entry() -> tuple[Callable[..., int], bool] | None:
     return None
 
 
+class CopyEngineError(RuntimeError):
+    """The driver refused a batch (its CUDA error in the message); nothing of it is left
+    to wait for: copying the same rows again by other means is safe."""
+
+
 def available() -> bool:
     return _entry() is not None
 
@@ -95,4 +100,4 @@ def copy(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> 
         args.append(ctypes.byref(ctypes.c_size_t(0)))  # failIdx
     status = function(*args, ctypes.c_void_p(stream))
     if status != 0:
-        raise RuntimeError(f"cuMemcpyBatchAsync of {count} rows failed: CUDA error {status}")
+        raise CopyEngineError(f"cuMemcpyBatchAsync of {count} rows failed: CUDA error {status}")

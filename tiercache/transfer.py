@@ -18,6 +18,7 @@ worker, by where its buffers live:
 from __future__ import annotations
 
 import ctypes
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol, Sequence
 
@@ -26,6 +27,8 @@ import torch
 
 from tiercache import copy_engines, trace
 from tiercache.tiers.arena import SlabPart
+
+log = logging.getLogger("tiercache")
 
 
 class Transfer(Protocol):
@@ -156,6 +159,7 @@ class CudaTransfer:
         self.device = device
         self._streams = streams
         self._tables: dict[int, tuple[Sequence[torch.Tensor], Any]] = {}  # by id of the buffers
+        self._engines = copy_engines.available()  # until the driver refuses a batch
 
     @classmethod
     def open(cls, device: torch.device) -> "CudaTransfer":
@@ -205,12 +209,17 @@ class CudaTransfer:
         launch."""
         from tiercache.kernels import copy_rows  # Triton only where there is a GPU
         stream = self._streams[direction]
-        if engines and copy_engines.available():
+        if engines and self._engines:
             worker, slots, sizes = copy_engines.row_addresses(table.host, rows, addresses)
             dst, src = (slots, worker) if to_slots else (worker, slots)
-            with trace.gpu(direction, stream):
-                copy_engines.copy(dst, src, sizes, stream.cuda_stream)
-            return
+            try:
+                with trace.gpu(direction, stream):
+                    copy_engines.copy(dst, src, sizes, stream.cuda_stream)
+                return
+            except copy_engines.CopyEngineError as error:  # the kernel copies the same rows
+                self._engines = False
+                log.warning("the GPU's copy engines refused a batch (%s): long rows go by the "
+                            "copy kernel from now on", error)
         meta = np.empty((2, len(rows)), np.int64)
         meta[0], meta[1] = rows, addresses
         with torch.cuda.stream(stream), trace.gpu(direction, stream):

@@ -113,3 +113,26 @@ def test_long_entries_go_down_from_device_slots_to_host_slots_on_the_engines(eng
     assert engine_calls == [2]
     transfer.close()
     memory.release(host)
+
+
+@gpu
+def test_a_batch_the_engines_refuse_is_copied_by_the_kernel_and_the_next_ones_too(monkeypatch, caplog):
+    from tiercache.transfer import CudaTransfer
+    refused = []
+
+    def refuse(dsts, srcs, sizes, stream):
+        refused.append(len(dsts))
+        raise copy_engines.CopyEngineError("cuMemcpyBatchAsync of 2 rows failed: CUDA error 801")
+    monkeypatch.setattr(copy_engines, "copy", refuse)
+    source = [random_rows(4, MIN_ROW_BYTES, 7)]
+    memory, slab = host_slab(2, MIN_ROW_BYTES)
+    transfer = CudaTransfer.open(torch.device("cuda"))
+    part = SlabPart(slab, np.array([1, 0]), np.arange(2))
+    for rows in ([3, 1], [0, 2]):
+        transfer.gather(source, [0], np.array(rows), [part])
+        transfer.fence("store").synchronize()
+        assert torch.equal(slab[1].cuda(), source[0][rows[0]]) and torch.equal(slab[0].cuda(), source[0][rows[1]])
+    assert refused == [2]  # asked once; the kernel takes long rows from then on
+    assert "copy engines refused a batch" in caplog.text
+    transfer.close()
+    memory.release(slab)
