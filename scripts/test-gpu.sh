@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# make test-gpu: the GPU tests (kernels, CUDA IPC workers, async loads) and then the
+# make test-gpu: the GPU tests (kernels, copy engines, CUDA IPC workers, async loads) and then the
 # whole suite, on a machine with a GPU. Prints a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh
-python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=300 tests/gpu tests/tiercache/test_kernels.py -rA 2>&1 | tail -25
+python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=300 tests/gpu tests/tiercache/test_kernels.py tests/tiercache/test_copy_engines.py -rA 2>&1 | tail -25
 gpu=${PIPESTATUS[0]}
 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=300 tests --ignore=tests/gpu 2>&1 | tail -3
 all=${PIPESTATUS[0]}
