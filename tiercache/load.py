@@ -230,19 +230,23 @@ class Loads:
                 self.traffic.record(source, "worker", nbytes, seconds)
 
     def _settle(self, done: Delivery, pinned: np.ndarray, asynchronous: bool, complete: bool) -> None:
-        """After a delivery: unpin, or leave pinned for the copies still running; publish
-        the load's promotions (none if an entry was damaged or the delivery failed part
-        way: their slots may hold part of their bytes); drop the damaged."""
-        if done.event is not None and asynchronous and complete and not done.damaged:
-            with self._lock:
-                self._pending.append((done.own, pinned, done.staging))
-                self._handed_out.append(done.event)
-        else:
-            self.books.unpin(pinned)
+        """After a delivery: publish the load's promotions (none if an entry was damaged or
+        the delivery failed part way: their slots may hold part of their bytes) while its
+        pins still hold their rows (unpinned, a row may be evicted and handed to another
+        key before its promoted slot is published onto it); then unpin, or leave pinned
+        for the copies still running; drop the damaged."""
         ok = complete and not done.damaged
-        for found, nbytes in done.moves:
-            placed = Placed(found.move.rows, found.promo, nbytes, bad=[])
-            done.promoted += self.promotions.finish(found.move, [placed], complete=ok)
+        try:
+            for found, nbytes in done.moves:
+                placed = Placed(found.move.rows, found.promo, nbytes, bad=[])
+                done.promoted += self.promotions.finish(found.move, [placed], complete=ok)
+        finally:
+            if done.event is not None and asynchronous and complete and not done.damaged:
+                with self._lock:
+                    self._pending.append((done.own, pinned, done.staging))
+                    self._handed_out.append(done.event)
+            else:
+                self.books.unpin(pinned)
         if done.damaged:
             self.mover.settle(self.books.drop(np.asarray(done.damaged, np.int64)))
 

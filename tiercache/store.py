@@ -273,7 +273,7 @@ class _Flight:
             with trace.span("reserve"):
                 slots, displaced = self.books.reserve(group.nbytes, len(todo) - part.launched, self.tier)
             # room that an eviction must move first: move it, and ask again while that frees some
-            if displaced and self.stores.mover.settle(displaced) and not slots:
+            if displaced and self._settle(displaced, slots) and not slots:
                 continue
             if not slots and self.flying:  # the room is this store's own copies in flight:
                 self.finish()  # published, they may make room for the rest
@@ -287,6 +287,15 @@ class _Flight:
             batch = todo[part.launched:part.launched + len(slots)]  # shallow pages first
             self._launch(part, src[batch], slots)
             self.finish(keep=1)  # the batch just launched runs while the next part is claimed
+
+    def _settle(self, displaced: Any, slots: list[int]) -> int:
+        """Move what the eviction that made room displaced; the slots just reserved go
+        back if that fails (nothing else would free them)."""
+        try:
+            return self.stores.mover.settle(displaced)
+        except BaseException:
+            self.books.free(self.group.nbytes, slots, self.tier)
+            raise
 
     def _launch(self, part: _Part, src: np.ndarray, slots: list[int]) -> None:
         group, arena = self.group, self.books.arena(self.tier)

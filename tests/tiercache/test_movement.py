@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tiercache.engine import Engine, EngineConfig
+from tiercache.invariants import violations
 from tiercache.results import Kind, Tier
 from tiercache.layout import Layout
 from tiercache.policy import PolicyConfig, WriteConfig
@@ -320,4 +321,36 @@ def test_a_load_that_finds_a_promotion_started_after_its_wait_reads_the_disk_its
     engine.drain()
     assert engine.stats().counters["promoted"] == 7
     assert engine.match(LAYOUT, keys).page_tiers == (Tier.HOST,) * 6
+    engine.close()
+
+
+@pytest.mark.concurrent  # holds a load between its copies and publishing its promotions
+def test_a_load_holds_its_entries_until_it_has_published_what_it_promoted(tmp_path):
+    # regression: a load unpinned its hit before publishing the host slots it promoted the
+    # hit's disk entries into; an eviction meanwhile freed the rows, a store took them for
+    # other keys, and the promoted slots were published onto those rows (or onto free ones):
+    # slots the host arena never got back
+    engine, worker, keys = flushed_to_disk_only(tmp_path)
+    finishing, release = threading.Event(), threading.Event()
+    finish = engine.promotions.finish
+
+    def pause(move, placed, complete):
+        finishing.set()
+        release.wait(10)
+        return finish(move, placed, complete)
+    engine.promotions.finish = pause
+    reader, results = random_buffers(LAYOUT, seed=2), []
+    loader = start_load(engine, reader, keys, results)
+    assert finishing.wait(10)  # 1. the load read the hit into host slots, not published yet
+    # 2. another caller evicts the prompt, and a store of another one takes free rows
+    assert engine.evict(keys) == 0  # the load still holds every entry
+    other = prompt_keys(LAYOUT, seed=3, pages=6)
+    engine.store(random_buffers(LAYOUT, seed=3), other, range(6), {6: 0})
+    release.set()
+    loader.join(10)
+    # 3. the load published its promotions onto its own rows; the books balance
+    assert set(results[0].bytes_from) == {Tier.DISK}
+    assert same(page_bytes(reader, range(30, 36)), page_bytes(worker, range(6)))
+    assert engine.match(LAYOUT, keys).page_tiers == (Tier.HOST,) * 6
+    assert violations(engine) == []
     engine.close()

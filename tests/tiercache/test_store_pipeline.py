@@ -144,3 +144,30 @@ def test_evicting_for_tiny_entries_frees_what_their_slots_are_charged():
         if start >= capacity:  # full since: at most the slack (1% of the budget) stays free
             assert engine.stats().tiers[0].entries >= capacity - capacity // 100 - 1
     engine.close()
+
+
+def test_slots_reserved_beside_an_eviction_that_fails_to_move_its_victims_go_back(tmp_path, monkeypatch):
+    # write-back: making room means writing the coldest entries to disk first (Displaced);
+    # when that raises, the slots the same reservation handed out must not stay taken
+    from tiercache.policy import PolicyConfig, WriteConfig
+    from tiercache.results import Tier
+    from tiercache.tiers.disk import DiskConfig
+    engine = Engine.open(EngineConfig(
+        host=HostConfig(budget_bytes=600 * LAYOUT.page_bytes, pin=False),
+        disk=DiskConfig(str(tmp_path), map_size=1 << 26, sync=False),
+        policy=PolicyConfig(writes=WriteConfig(host="back"))))
+    source = random_buffers(LAYOUT, seed=5)
+    engine.store(source, prompt_keys(LAYOUT, seed=5, pages=600), range(600))  # the host is full
+    settled, settle = [], engine.stores.mover.settle
+
+    def failing(displaced):  # the victims are let go, then something raises
+        settled.append(settle(displaced))
+        raise RuntimeError("the move of the victims failed")
+    monkeypatch.setattr(engine.stores.mover, "settle", failing)
+    with pytest.raises(RuntimeError, match="victims"):
+        engine.store(source, prompt_keys(LAYOUT, seed=6, pages=300), range(300))
+    assert settled  # the eviction did displace entries
+    rows = engine.index.rows_in(Tier.HOST)
+    assert engine.host.used_bytes == int(engine.index.column("nbytes", rows).sum())
+    assert violations(engine) == []
+    engine.close(flush=False)
