@@ -251,7 +251,7 @@ def _empty_rpc_ms(address: str) -> float:
 
 
 def _rows_calls(row_bytes: int, rounds: int = 7) -> Callable[[str], list[Wall]]:
-    def calls(address: str) -> list[tuple[str, float]]:
+    def calls(address: str) -> list[Wall]:
         pages = TOTAL // (BUFFERS * row_bytes)
         layout = rows_layout(pages, row_bytes)
         tensors = {b.name: torch.zeros(b.shape, dtype=torch.bfloat16, device="cuda") for b in layout.paged}
@@ -271,7 +271,7 @@ def _rows_calls(row_bytes: int, rounds: int = 7) -> Callable[[str], list[Wall]]:
 
 
 def _prefix_calls(rounds: int = 7) -> Callable[[str], list[Wall]]:
-    def calls(address: str) -> list[tuple[str, float]]:
+    def calls(address: str) -> list[Wall]:
         pages = 32768 // 16
         layout = qwen3_next_layout(2 * pages)
         tensors = {b.name: torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device="cuda")
