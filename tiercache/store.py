@@ -27,6 +27,7 @@ from tiercache.load import Group
 from tiercache.metrics import Traffic
 from tiercache.policy import AdmissionConfig
 from tiercache.results import Kind, StoreResult, Tier
+from tiercache.room import Displaced
 from tiercache.transfer import Transfer
 
 Alive = Callable[[], bool]
@@ -288,7 +289,7 @@ class _Flight:
             self._launch(part, src[batch], slots)
             self.finish(keep=1)  # the batch just launched runs while the next part is claimed
 
-    def _settle(self, displaced: Any, slots: list[int]) -> int:
+    def _settle(self, displaced: Displaced, slots: list[int]) -> int:
         """Move what the eviction that made room displaced; the slots just reserved go
         back if that fails (nothing else would free them)."""
         try:
