@@ -195,24 +195,44 @@ def key_hex(key: bytes, width: int = 8) -> str:
 
 
 
+def _surely_distinct(chain: np.ndarray) -> bool:
+    """True if no key of `chain` (n >= 2) repeats; False if one may (then look closer).
+    The low halves are the hash, so ties are rare: a sort of them says so for short
+    chains; past _SORTED keys (where a sort costs most), each key is written to a table
+    slot picked by its low bits, and only the keys that lost their slot to another are
+    compared, with the winner and among themselves."""
+    lo = chain[:, 0]
+    if len(chain) <= _SORTED:
+        halves = np.sort(lo)
+        return not np.any(halves[1:] == halves[:-1])
+    size = 1 << (16 * len(chain) - 1).bit_length()
+    at = (lo & np.uint64(size - 1)).astype(np.intp)
+    table, order = np.empty(size, np.intp), np.arange(len(chain))
+    table[at] = order  # one of the keys of each slot stays there
+    winners = table[at]
+    lost = np.flatnonzero(winners != order)
+    if np.any(lo[lost] == lo[winners[lost]]):
+        return False
+    halves = np.sort(lo[lost])
+    return not np.any(halves[1:] == halves[:-1])
+
+
+_SORTED = 1024
+
+
 def distinct_keys(keys: Keys) -> np.ndarray:
     """`key_array(keys)`, refusing a key repeated in the sequence: a prompt's chained keys
     are all distinct, and a repeat would name one entry twice in one request."""
     chain = key_array(keys)
-    if len(chain) < 2:
+    if len(chain) < 2 or _surely_distinct(chain):
         return chain
-    halves = np.sort(chain[:, 0])  # the low halves are the hash: ties are rare, so a plain
-    if not np.any(halves[1:] == halves[:-1]):  # sort says "all distinct" in most calls
-        return chain
-    order = np.argsort(chain[:, 0], kind="stable")
-    lo = chain[order, 0]
-    tied = np.flatnonzero(lo[1:] == lo[:-1])
-    if len(tied):
-        same = chain[order[tied], 1] == chain[order[tied + 1], 1]
-        if same.any():
-            pairs = np.sort(np.stack([order[tied[same]], order[tied[same] + 1]], axis=1), axis=1)
-            first, repeat = pairs[np.argmin(pairs[:, 1])].tolist()
-            raise InvalidArgument(f"key {repeat} repeats key {first} ({key_hex(chain[first].tobytes())}"
-                                  "...): a prompt's page keys are all distinct, so hash it with "
-                                  "tiercache.hashing")
+    order = np.lexsort((chain[:, 1], chain[:, 0]))  # by both halves: repeats sit side by side
+    ordered = chain[order]
+    same = np.flatnonzero((ordered[1:] == ordered[:-1]).all(axis=1))
+    if len(same):  # stable: a repeat comes after its earlier copy
+        at = same[np.argmin(order[same + 1])]
+        first, repeat = int(order[at]), int(order[at + 1])
+        raise InvalidArgument(f"key {repeat} repeats key {first} ({key_hex(chain[first].tobytes())}"
+                              "...): a prompt's page keys are all distinct, so hash it with "
+                              "tiercache.hashing")
     return chain

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from tiercache.errors import InvalidArgument
-from tiercache.hashing import (HASHES, KEY_BYTES, Namespace, narrow_hash_for_tests, page_chain,
-                               page_keys, token_array)
+from tiercache.hashing import (HASHES, KEY_BYTES, Namespace, distinct_keys, narrow_hash_for_tests,
+                               page_chain, page_keys, token_array)
 
 ROOT = Namespace("model", "layout-fp").root()
 
@@ -95,3 +95,21 @@ def test_a_narrowed_hash_keeps_only_its_first_bits():
     key = HASHES[name](b"some page")
     assert key[:1] == HASHES["xxh3_128"](b"some page")[:1] and key[1] & 0x0F == 0
     assert key[2:] == bytes(14)
+
+
+@pytest.mark.parametrize("count", [2, 300, 1024, 1025, 5000])
+@pytest.mark.parametrize("low_bits", [64, 6, 0])  # keys whose low halves tie, as a caller may send
+def test_a_repeated_key_is_found_wherever_it_sits(count, low_bits):
+    rng = np.random.default_rng(count + low_bits)
+    keys = rng.integers(0, 2**63, (count, 2), dtype=np.int64).astype(np.uint64)
+    keys[:, 0] &= np.uint64((1 << low_bits) - 1)
+    distinct = keys[np.unique(keys, axis=0, return_index=True)[1]]
+    keys, count = distinct[rng.permutation(len(distinct))], len(distinct)
+    assert distinct_keys(keys) is keys
+    for first, repeat in ((0, 1), (0, count - 1), (count // 3, count // 2 + 1)):
+        if not first < repeat < count:
+            continue
+        repeated = keys.copy()
+        repeated[repeat] = repeated[first]
+        with pytest.raises(InvalidArgument, match=f"key {repeat} repeats key {first} "):
+            distinct_keys(repeated)
