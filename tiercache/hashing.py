@@ -194,6 +194,8 @@ def key_hex(key: bytes, width: int = 8) -> str:
     return key[:width].hex()
 
 
+_SORTED = 1024  # keys a repeat check sorts; past them, a table (see _surely_distinct)
+
 
 def _surely_distinct(chain: np.ndarray) -> bool:
     """True if no key of `chain` (n >= 2) repeats; False if one may (then look closer).
@@ -207,17 +209,14 @@ def _surely_distinct(chain: np.ndarray) -> bool:
         return not np.any(halves[1:] == halves[:-1])
     size = 1 << (16 * len(chain) - 1).bit_length()
     at = (lo & np.uint64(size - 1)).astype(np.intp)
-    table, order = np.empty(size, np.intp), np.arange(len(chain))
-    table[at] = order  # one of the keys of each slot stays there
+    table, each = np.empty(size, np.intp), np.arange(len(chain))
+    table[at] = each  # one of the keys of each slot stays there
     winners = table[at]
-    lost = np.flatnonzero(winners != order)
+    lost = np.flatnonzero(winners != each)
     if np.any(lo[lost] == lo[winners[lost]]):
         return False
     halves = np.sort(lo[lost])
     return not np.any(halves[1:] == halves[:-1])
-
-
-_SORTED = 1024
 
 
 def distinct_keys(keys: Keys) -> np.ndarray:
