@@ -241,7 +241,7 @@ class Loads:
                 placed = Placed(found.move.rows, found.promo, nbytes, bad=[])
                 done.promoted += self.promotions.finish(found.move, [placed], complete=ok)
         finally:
-            if done.event is not None and asynchronous and complete and not done.damaged:
+            if done.event is not None and asynchronous and ok:
                 with self._lock:
                     self._pending.append((done.own, pinned, done.staging))
                     self._handed_out.append(done.event)

@@ -85,6 +85,11 @@ def _scatters(part: SlabPart, buffers: Sequence[torch.Tensor], offsets: Sequence
     return [copy(b, at) for b, at in zip(buffers, offsets)]
 
 
+def _run_all(copies: list[Callable[[], None]]) -> None:
+    for copy in copies:
+        copy()
+
+
 class CpuTransfer:
     device = torch.device("cpu")
 
@@ -96,16 +101,11 @@ class CpuTransfer:
         """Run `copies` on the pool: one job per thread, each taking every `threads`-th
         copy (a job per copy costs a hand-off each: ~0.1 of the bandwidth at 16 KiB rows)."""
         if len(copies) < 2 or self._threads < 2:
-            for copy in copies:
-                copy()
+            _run_all(copies)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="tiercache-copy")
-
-        def run(share: list[Callable[[], None]]) -> None:
-            for copy in share:
-                copy()
-        for future in [self._pool.submit(run, copies[k::self._threads]) for k in range(self._threads)]:
+        for future in [self._pool.submit(_run_all, copies[k::self._threads]) for k in range(self._threads)]:
             future.result()
 
     def gather(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
