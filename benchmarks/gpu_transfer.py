@@ -24,7 +24,7 @@ traced call; a second table without synchronising), beside the worker's wall tim
 same calls and an empty RPC (the health check) on the same daemon; the same calls on
 the worker's clock (when the daemon's call starts, when it queues its first copy, when
 the GPU starts and ends copying, when the reply comes); and the copy alone, by the Triton
-kernel and by the copy engines, beside a bulk copy.
+kernel, by the copy engines and by the path CudaTransfer picks, beside a bulk copy.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from tiercache_service.process import spawn
 from tiercache.client import Client, Worker
 from tiercache.results import Tier
 from tiercache.layout import BufferSpec, Layout
+from tiercache.tiers.arena import SlabPart
 
 MiB = 1 << 20
 TOTAL = 512 * MiB
@@ -321,9 +322,10 @@ def print_copy_alone() -> None:
     """The copy alone, beside a bulk copy, all timed by CUDA events: 512 MiB of rows of
     the benchmark's buffers to and from page-locked slots from cudaHostAlloc (as the host
     tier's), by the Triton kernel and by the copy engines (copy_engines.py; rows under 64
-    KiB not tried: the driver's work per row makes them slow), and the CPU time of
-    queuing a load the way CudaTransfer does (it picks the engines for rows of
-    copy_engines.MIN_ROW_BYTES and more)."""
+    KiB not tried: the driver's work per row makes them slow), and by the path
+    CudaTransfer picks (the engines for rows of copy_engines.MIN_ROW_BYTES and more,
+    shorter rows staged through its ring of device memory: slots here lie in one run),
+    with the CPU time it takes to queue a load."""
     from tiercache import copy_engines
     from tiercache.kernels import BufferTable, copy_rows
     from tiercache.tiers.host import HostMemory
@@ -365,22 +367,37 @@ def print_copy_alone() -> None:
         if row_bytes >= 65536:
             engines = (h2d / timed(lambda: copy_engines.copy(worker, slot, sizes, stream.cuda_stream)),
                        d2h / timed(lambda: copy_engines.copy(slot, worker, sizes, stream.cuda_stream)))
+        part, offsets = SlabPart(slots, np.arange(pages), np.arange(pages)), [b * row_bytes for b in range(BUFFERS)]
+
+        def through(direction: str, copy: Callable[[], None]) -> Callable[[], None]:
+            """CudaTransfer's own path, on its streams, between events of `stream`."""
+            def run() -> None:
+                begin = torch.cuda.Event()
+                begin.record(stream)
+                for other in transfer.streams:
+                    other.wait_event(begin)
+                copy()
+                stream.wait_event(transfer.fence(direction))
+            return run
+        load = through("load", lambda: transfer.scatter([part], buffers, offsets, host_rows))
+        ours = (h2d / timed(load),
+                d2h / timed(through("store", lambda: transfer.gather(buffers, offsets, host_rows, [part]))))
         queued = []
         for _ in range(21):
             start = time.perf_counter()
-            transfer._run(table, host_rows, host_addresses, False, "load",
-                          engines=row_bytes >= copy_engines.MIN_ROW_BYTES)
+            transfer.scatter([part], buffers, offsets, host_rows)
             queued.append((time.perf_counter() - start) * 1e3)
             transfer.synchronize()
-        rows_out.append((f"{row_bytes // 1024}k", kernel[0], engines[0], kernel[1], engines[1], h2d, d2h,
-                         float(np.median(queued[3:]))))
+        rows_out.append((f"{row_bytes // 1024}k", kernel[0], engines[0], ours[0], kernel[1], engines[1],
+                         ours[1], h2d, d2h, float(np.median(queued[3:]))))
         memory.release(slots)
         del buffers, device
     memory.close()
     print_table(f"the copy alone, {TOTAL // MiB} MiB, {BUFFERS} buffers <-> cudaHostAlloc slots: ratio to "
                 "a bulk copy (CUDA events, median of 9)",
-                ["rows", "load, kernel", "load, engines", "store, kernel", "store, engines",
-                 "bulk h2d ms", "bulk d2h ms", "CPU ms to queue a load"], rows_out)
+                ["rows", "load, kernel", "load, engines", "load, CudaTransfer", "store, kernel",
+                 "store, engines", "store, CudaTransfer", "bulk h2d ms", "bulk d2h ms",
+                 "CPU ms to queue a load (CudaTransfer)"], rows_out)
 
 
 def main() -> None:

@@ -56,6 +56,7 @@ class SlotPool:
         self.stride = max(slot_bytes, stride or 0)
         self.slots_per_slab = slots_per_slab
         self.slabs: list[torch.Tensor | None] = []  # uint8 [slots, stride] each
+        self._views: list[torch.Tensor | None] = []  # each slab's [slots, slot_bytes]
         self.used: list[int] = []  # slots in use per slab
         self.fresh: list[int] = []  # per slab: slots never handed out start here
         self.free_slots: list[int] = []  # returned slots, a stack
@@ -64,10 +65,12 @@ class SlotPool:
         number = next((i for i, s in enumerate(self.slabs) if s is None), len(self.slabs))
         if number == len(self.slabs):
             self.slabs.append(slab)
+            self._views.append(None)
             self.used.append(0)
             self.fresh.append(0)
         else:
             self.slabs[number], self.used[number], self.fresh[number] = slab, 0, 0
+        self._views[number] = slab[:, :self.slot_bytes]
 
     def pop(self, count: int) -> list[int]:
         """Up to `count` free slots: returned ones first (the top of the stack), then
@@ -103,7 +106,7 @@ class SlotPool:
         released = []
         for i in empty:
             released.append(self.slabs[i])
-            self.slabs[i] = None
+            self.slabs[i] = self._views[i] = None
             self.fresh[i] = 0
         if empty:
             self.free_slots = [s for s in self.free_slots if s // self.slots_per_slab not in empty]
@@ -123,16 +126,20 @@ class SlotPool:
         return out
 
     def parts(self, slots: np.ndarray) -> Iterator[SlabPart]:
-        """Split a list of slots by slab (usually one part)."""
+        """Split a list of slots by slab (usually one part), slabs in ascending order."""
+        if not len(slots):
+            return
         numbers = slots // self.slots_per_slab
-        groups = ([(int(numbers[0]), np.arange(len(numbers)))]
-                  if len(numbers) and numbers.min() == numbers.max()  # one slab, without a sort
-                  else [(int(n), np.flatnonzero(numbers == n)) for n in np.unique(numbers)])
+        if numbers.min() == numbers.max():  # one slab, without a sort
+            groups: Iterator = iter([(int(numbers[0]), np.arange(len(numbers)))])
+        else:  # one sort for all slabs, not a pass over the list per slab
+            order = np.argsort(numbers, kind="stable")
+            cuts = np.flatnonzero(np.diff(numbers[order])) + 1
+            groups = zip(numbers[order[np.r_[0, cuts]]].tolist(), np.split(order, cuts))
         for number, positions in groups:
-            slab = self.slabs[number]
-            assert slab is not None, f"slots {slots[positions]} lie in a released slab"
-            yield SlabPart(slab[:, :self.slot_bytes], slots[positions] % self.slots_per_slab,
-                           positions)
+            view = self._views[number]
+            assert view is not None, f"slots {slots[positions]} lie in a released slab"
+            yield SlabPart(view, slots[positions] % self.slots_per_slab, positions)
 
 
 class SlotArena:
