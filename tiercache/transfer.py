@@ -12,9 +12,9 @@ worker, by where its buffers live:
 - CudaTransfer: one Triton launch per batch over all buffers (kernels.py), reading or
   writing host memory itself where the slots are there; except, for slots in host
   memory, rows of 1 MiB and more, which go one by one on the copy engines
-  (copy_engines.py), and loads of shorter rows whose slots lie in long runs, which are
-  staged through a ring of device memory (bulk copies of whole runs of entries on the
-  copy engines, the launch device to device beside them). On this GPU's own streams;
+  (copy_engines.py), and shorter rows whose slots lie in long runs, which are staged
+  through a ring of device memory (bulk copies of whole runs of entries on the copy
+  engines, the launch device to device beside them). On this GPU's own streams;
   `fence` hands back the event that marks the batch done.
 """
 
@@ -161,17 +161,20 @@ class Done:
         return True
 
 
-# Loads of rows shorter than copy_engines.MIN_ROW_BYTES from host slots pass through a
-# ring of device memory: the copy engines move whole runs of slots from host memory into
-# one half of the ring in bulk while the Triton launch scatters the other half's rows
-# into the worker device to device. Measured on an H100 (2026-11-26, 512 MiB in 24
-# buffers, slots in one run, benchmarks.gpu_transfer's copy alone), ratio to one bulk
-# copy: rows of 4 KiB 0.95 staged against 0.92 by the launch reading host memory, 16 KiB
-# 0.96 against 0.92, 64 KiB 0.96 against 0.91; and the SMs copy only device to device.
-# Stores gained nothing (0.94-0.95 either way: the launch writes host memory about as
-# fast as the engines do) for more CPU time, so they keep the launch. Halves of 32 MiB
-# gave 0.94-0.96; of 16 MiB, 0.92-0.97 at four times the CPU time (a scratch probe).
-STAGE_BYTES = 64 << 20  # each half of the ring (GPU memory, taken at the first staged load)
+# Rows shorter than copy_engines.MIN_ROW_BYTES between worker buffers and host slots pass
+# through a ring of device memory per direction: for a load, the copy engines move whole
+# runs of slots from host memory into one half of the ring in bulk while the Triton
+# launch scatters the other half's rows into the worker device to device; a store
+# gathers into the ring and the engines copy it out. Measured on an H100 (2026-11-26,
+# 512 MiB in 24 buffers, slots in one run, benchmarks.gpu_transfer's copy alone), ratio
+# to one bulk copy, loads: rows of 4-64 KiB 0.95-0.98 staged against 0.92 by the launch
+# reading host memory itself; stores 0.91-0.94 against 0.94-0.95. What decides it is the
+# worker's own kernels: a launch that reads or writes host memory holds SMs for the
+# whole copy, so 12 bf16 matmuls on the worker's stream took 1.6-2.0x as long beside a
+# 512 MiB load by the launch and 1.5x beside a store, 0.96-0.97x beside staged ones
+# (a scratch probe, two runs). Halves of 32 MiB gave 0.94-0.96; of 16 MiB, 0.92-0.97 at
+# four times the CPU time.
+STAGE_BYTES = 64 << 20  # each half of a direction's ring (GPU memory, taken at first use)
 MIN_RUN_BYTES = 1 << 20  # staged only where the slots' runs are this long on average
 MAX_STAGED_ENTRY = STAGE_BYTES // 4  # longer entries keep their rows' own path
 
@@ -192,7 +195,7 @@ def _pieces(addresses: np.ndarray, stride: int, slabs: np.ndarray, per_half: int
 
 
 class _Ring:
-    """Two halves of device memory that staged loads pass through, in turn.
+    """Two halves of device memory that a direction's staged copies pass through, in turn.
     A half is refilled only after the copy that read it last (its `free` event): the
     events are taken and recorded under `lock`, so calls from several threads keep one
     order on the GPU."""
@@ -222,15 +225,15 @@ class CudaTransfer:
     stream and slots come to worker rows (loads) on another, so a large store never
     delays a load; each direction keeps its launches in order, and a caller waits for
     exactly its own work through the event `fence` records, never for the whole device.
-    Staged loads (above) cross PCIe on a stream of their own and scatter on the load's."""
+    Staged copies (above) cross PCIe on a second stream of their direction."""
 
     def __init__(self, device: torch.device, streams: dict[str, torch.cuda.Stream]) -> None:
         self.device = device
         self._streams = streams
         self._tables: dict[int, tuple[Sequence[torch.Tensor], Any]] = {}  # by id of the buffers
         self._engines = copy_engines.available()  # until the driver refuses a batch
-        self._ring: _Ring | None = None
-        self._ring_lock = threading.Lock()
+        self._rings: dict[str, _Ring] = {}
+        self._rings_lock = threading.Lock()
 
     @classmethod
     def open(cls, device: torch.device) -> "CudaTransfer":
@@ -239,6 +242,7 @@ class CudaTransfer:
             # tiers behind them: the GPU schedules the waited-for copies' blocks first
             return cls(device, {"store": torch.cuda.Stream(priority=-1),
                                 "load": torch.cuda.Stream(priority=-1),
+                                "store pcie": torch.cuda.Stream(priority=-1),
                                 "load pcie": torch.cuda.Stream(priority=-1),
                                 "move": torch.cuda.Stream(priority=0)})
 
@@ -281,14 +285,14 @@ class CudaTransfer:
                 self._run(table, entry_rows, addresses, to_slots, direction)
             elif table.min_width >= copy_engines.MIN_ROW_BYTES:
                 self._run(table, entry_rows, addresses, to_slots, direction, engines=True)
-            elif to_slots or not self._staged(table, entry_rows, addresses, chosen):
+            elif not self._staged(table, entry_rows, addresses, chosen, to_slots):
                 self._run(table, entry_rows, addresses, to_slots, direction)
 
     def _staged(self, table: Any, rows: np.ndarray, addresses: np.ndarray,
-                parts: Sequence[SlabPart]) -> bool:
-        """Load through the ring (the module's note) if the slots of `parts` (in host
-        memory; `addresses` and `rows` are theirs, in order) lie in long runs; False,
-        with nothing queued, if they do not."""
+                parts: Sequence[SlabPart], to_slots: bool) -> bool:
+        """Copy through the direction's ring (the module's note) if the slots of `parts`
+        (in host memory; `addresses` and `rows` are theirs, in order) lie in long runs;
+        False, with nothing queued, if they do not."""
         strides = {p.slab.stride(0) for p in parts}
         stride = strides.pop() if len(strides) == 1 else 0
         if not self._engines or not 0 < stride <= MAX_STAGED_ENTRY:
@@ -308,41 +312,48 @@ class CudaTransfer:
         sizes = (lengths * stride).astype(np.uint64)
         bounds = np.searchsorted(starts, np.arange(0, len(rows) + per_half, per_half)).tolist()
         from tiercache.kernels import copy_rows  # Triton only where there is a GPU
-        ring = self._staging_ring()
-        kernel, pcie = self._streams["load"], self._streams["load pcie"]
-        done, on_device = 0, None
+        direction = "store" if to_slots else "load"
+        ring = self._ring(direction)
+        kernel, pcie = self._streams[direction], self._streams[direction + " pcie"]
+        # a load copies a half in, then scatters it; a store gathers, then copies it out
+        first, then = (kernel, pcie) if to_slots else (pcie, kernel)
+        done = 0
         try:
             with ring.lock, torch.cuda.stream(kernel):
+                on_device = torch.from_numpy(rows).to(self.device, non_blocking=True)
                 for done in range(0, len(rows), per_half):
                     half, turn = ring.take(), done // per_half
                     pieces = slice(bounds[turn], bounds[turn + 1])
-                    if ring.free[half] is not None:  # the scatter that read this half last
-                        pcie.wait_event(ring.free[half])
-                    with trace.gpu("load", pcie):
-                        copy_engines.copy(places[pieces] + np.uint64(ring.bases[half]), sources[pieces],
-                                          sizes[pieces], pcie.cuda_stream)
-                    arrived = torch.cuda.Event()
-                    arrived.record(pcie)
-                    kernel.wait_event(arrived)
-                    if on_device is None:  # after the first bulk copy is queued
-                        on_device = torch.from_numpy(rows).to(self.device, non_blocking=True)
                     count = min(per_half, len(rows) - done)
-                    with trace.gpu("load", kernel):
-                        copy_rows(table, on_device[done:done + count], ring.slots(stride)[half][:count], False)
+                    staged = places[pieces] + np.uint64(ring.bases[half])
+                    ends = (sources[pieces], staged) if to_slots else (staged, sources[pieces])  # to, from
+                    if ring.free[half] is not None:  # the copy that read this half last
+                        first.wait_event(ring.free[half])
+                    for stream in (first, then):
+                        with trace.gpu(direction, stream):
+                            if stream is pcie:
+                                copy_engines.copy(*ends, sizes[pieces], pcie.cuda_stream)
+                            else:
+                                copy_rows(table, on_device[done:done + count],
+                                          ring.slots(stride)[half][:count], to_slots)
+                        if stream is first:
+                            handed = torch.cuda.Event()
+                            handed.record(first)
+                            then.wait_event(handed)
                     ring.free[half] = torch.cuda.Event()
-                    ring.free[half].record(kernel)
+                    ring.free[half].record(then)
         except copy_engines.CopyEngineError as error:
             self._engines_refused(error)
             remaining = slice(done, None)  # the launch copies what the engines did not
-            self._run(table, rows[remaining], addresses[remaining], False, "load")
+            self._run(table, rows[remaining], addresses[remaining], to_slots, direction)
         return True
 
-    def _staging_ring(self) -> _Ring:
-        with self._ring_lock:
-            if self._ring is None:
+    def _ring(self, direction: str) -> _Ring:
+        with self._rings_lock:
+            if direction not in self._rings:
                 with torch.cuda.device(self.device):
-                    self._ring = _Ring(self.device)
-            return self._ring
+                    self._rings[direction] = _Ring(self.device)
+            return self._rings[direction]
 
     def _engines_refused(self, error: Exception) -> None:
         self._engines = False
@@ -402,7 +413,12 @@ class CudaTransfer:
         """An event that completes when every copy launched so far in `direction` has:
         `into`, recorded again, or a new one."""
         event = into if into is not None else torch.cuda.Event(interprocess=interprocess)
-        event.record(self._streams[direction])  # staged loads end on the load's stream too
+        stream = self._streams[direction]
+        if direction == "store":  # a staged store's last copies are on its PCIe stream
+            pcie = self._streams["store pcie"]
+            pcie.wait_stream(stream)
+            stream = pcie
+        event.record(stream)
         return event
 
     def synchronize(self) -> None:
@@ -411,4 +427,4 @@ class CudaTransfer:
 
     def close(self) -> None:
         self.synchronize()
-        self._ring = None
+        self._rings.clear()

@@ -1,7 +1,7 @@
-"""Loads of short rows from host slots staged through a ring of device memory
-(transfer.py): runs of slots found on any machine; on a GPU, loads through the ring,
-exact over several turns of it and from two threads at once, while stores, scattered
-slots and what the engines refuse part way stay with the kernel."""
+"""Short rows between worker buffers and host slots staged through a ring of device
+memory (transfer.py): runs of slots found on any machine; on a GPU, stores and loads
+through the ring, exact over several turns of it and from two threads at once, while
+scattered slots and what the engines refuse part way stay with the kernel."""
 
 import threading
 
@@ -72,7 +72,7 @@ def expect_entries(slab, slots, buffers, rows):
 
 
 @gpu
-def test_runs_of_slots_come_back_through_the_ring_exactly(small_ring, engine_calls):
+def test_runs_of_slots_go_through_the_ring_and_come_back_exactly(small_ring, engine_calls):
     from tiercache.transfer import CudaTransfer
     source = worker_buffers(400, 1)
     memory, (first, second) = host_slabs(2, 160)
@@ -84,22 +84,22 @@ def test_runs_of_slots_come_back_through_the_ring_exactly(small_ring, engine_cal
     parts = [SlabPart(first, slots_a[::-1].copy(), np.arange(150)),
              SlabPart(second, slots_b, np.arange(150, 270))]
     cuda = CudaTransfer.open(torch.device("cuda"))
-    cuda.gather(source, [0, 4096], rows, parts)  # stores: the kernel writes host memory
-    cuda.fence("store").synchronize()
+    cuda.gather(source, [0, 4096], rows, parts)
+    cuda.fence("store").synchronize()  # the fence covers the copies out of the ring
     expect_entries(first, slots_a[::-1], source, rows[:150])
     expect_entries(second, slots_b, source, rows[150:])
     assert torch.all(first[100:110] == 0xA5) and torch.all(second[:20] == 0xA5)
-    assert engine_calls == []
+    # 270 entries, 64 a half: five turns, each one batch of the runs in its half; two
+    # halves hold the end of one run and the start of the next (which two depends on
+    # where the slabs lie), the others one piece
+    assert len(engine_calls) == 5 and sum(engine_calls) == 7
     dest = [torch.zeros_like(b) for b in source]
     back = np.random.default_rng(1).permutation(400)[:270]
     cuda.scatter(parts, dest, [0, 4096], back)
     cuda.fence("load").synchronize()
     for b in range(2):
         assert torch.equal(dest[b][torch.from_numpy(back).cuda()], source[b][torch.from_numpy(rows).cuda()])
-    # 270 entries, 64 a half: five turns, each one batch of the runs in its half; two
-    # halves hold the end of one run and the start of the next (which two depends on
-    # where the slabs lie), the others one piece
-    assert len(engine_calls) == 5 and sum(engine_calls) == 7
+    assert len(engine_calls) == 10 and sum(engine_calls) == 14  # the same pieces back
     cuda.close()
     for slab in (first, second):
         memory.release(slab)
@@ -125,26 +125,25 @@ def test_scattered_slots_stay_with_the_kernel(small_ring, engine_calls):
 
 
 @gpu
-def test_two_threads_loading_through_one_ring_each_get_their_own_bytes(small_ring):
+def test_two_threads_through_one_ring_each_get_their_own_bytes(small_ring):
     from tiercache.transfer import CudaTransfer
     source = worker_buffers(600, 3)
     memory, (slab,) = host_slabs(1, 600)
     cuda = CudaTransfer.open(torch.device("cuda"))
-    everything = SlabPart(slab, np.arange(600), np.arange(600))
-    cuda.gather(source, [0, 4096], np.arange(600), [everything])
-    cuda.fence("store").synchronize()
     dest = [torch.zeros_like(b) for b in source]
     failures = []
 
-    def load(first):  # each thread 300 entries, 20 times, into its own rows
+    def store_and_load(first):  # each thread 300 entries, 20 times, its own slots and rows
+        part = SlabPart(slab, np.arange(first, first + 300), np.arange(300))
         try:
             for _ in range(20):
-                cuda.scatter([SlabPart(slab, np.arange(first, first + 300), np.arange(300))], dest,
-                             [0, 4096], np.arange(first, first + 300))
+                cuda.gather(source, [0, 4096], np.arange(first, first + 300), [part])
+                cuda.fence("store").synchronize()
+                cuda.scatter([part], dest, [0, 4096], np.arange(first, first + 300))
                 cuda.fence("load").synchronize()
         except BaseException as error:  # pragma: no cover - reported below
             failures.append(error)
-    threads = [threading.Thread(target=load, args=(first,)) for first in (0, 300)]
+    threads = [threading.Thread(target=store_and_load, args=(first,)) for first in (0, 300)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -171,14 +170,14 @@ def test_a_staged_batch_the_engines_refuse_part_way_is_finished_by_the_kernel(sm
     rows = np.random.default_rng(2).permutation(300)[:200]
     cuda = CudaTransfer.open(torch.device("cuda"))
     part = SlabPart(slab, np.arange(200), np.arange(200))
-    cuda.gather(source, [0, 4096], rows, [part])
+    cuda.gather(source, [0, 4096], rows, [part])  # 200 entries, 64 a half: the second turn is refused
     cuda.fence("store").synchronize()
-    for _ in range(2):  # 200 entries, 64 a half: the second turn is refused
-        dest = [torch.zeros_like(b) for b in source]
-        cuda.scatter([part], dest, [0, 4096], rows)
-        cuda.fence("load").synchronize()
-        assert all(torch.equal(d[rows], s[rows]) for d, s in zip(dest, source))
-        assert calls == [1, 1]  # and the engines are asked no more
+    expect_entries(slab, np.arange(200), source, rows)
+    dest = [torch.zeros_like(b) for b in source]
+    cuda.scatter([part], dest, [0, 4096], rows)
+    cuda.fence("load").synchronize()
+    assert all(torch.equal(d[rows], s[rows]) for d, s in zip(dest, source))
+    assert calls == [1, 1]  # and the engines are asked no more
     assert "copy engines refused a batch" in caplog.text
     cuda.close()
     memory.release(slab)
