@@ -111,6 +111,18 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                                   f"{len(keys)} keys")
         return np.frombuffer(data, "<u8")
 
+    @staticmethod
+    def _rows(request: pb.LoadRequest | pb.StoreRequest) -> np.ndarray:
+        """A request's page rows: kv_rows, or kv_rows_packed (4 bytes each), not both."""
+        packed = request.kv_rows_packed
+        if not packed:
+            return np.asarray(request.kv_rows, np.int64)
+        if len(request.kv_rows):
+            raise InvalidArgument("give kv_rows or kv_rows_packed, not both")
+        if len(packed) % 4:
+            raise InvalidArgument(f"kv_rows_packed is 4 bytes per row: got {len(packed)} bytes")
+        return np.frombuffer(packed, "<u4").astype(np.int64)
+
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext
                  ) -> Iterator[pb.RegisterResponse]:
         identity = self.auth.identify(context)
@@ -166,17 +178,17 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         with trace.call("Load"):  # a breakdown, when TIERCACHE_TRACE asks for one
             keys = self._keys(request.keys, context)
             checks = self._checks(request.checks, keys)
+            rows = self._rows(request)
             with self._worker(request.worker_id, context) as worker:
                 slot = request.slot if request.HasField("slot") else None
                 # copies into CPU workers are synchronous anyway
                 asynchronous = request.asynchronous and worker.buffers.device.type == "cuda"
-                result = self.engine.load(worker.buffers, worker.engine_keys(keys),
-                                          np.asarray(request.kv_rows, np.int64), slot,
+                result = self.engine.load(worker.buffers, worker.engine_keys(keys), rows, slot,
                                           ready=_event(request.ready_event, worker),
                                           asynchronous=asynchronous, checks=checks,
                                           done_event=_done_event(worker) if asynchronous else None)
                 # the pages it could take: as many as its rows, or the prompt without paged buffers
-                asked = min(len(keys), len(request.kv_rows)) if worker.layout.needs_pages else len(keys)
+                asked = min(len(keys), len(rows)) if worker.layout.needs_pages else len(keys)
                 self.lookups.loaded(worker.namespace.model_id, request.keys, asked, result.match.pages)
             return load_to_proto(result)
 
@@ -187,11 +199,11 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             if len(checkpoints) != len(request.checkpoints):
                 raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
             checks = self._checks(request.checks, keys)
+            rows = self._rows(request)
             with self._worker(request.worker_id, context) as worker:
                 keys = worker.engine_keys(keys)
                 shared = self.fleet.before_store(worker, keys, request.event_tokens)
-                result = self.engine.store(worker.buffers, keys,
-                                           np.asarray(request.kv_rows, np.int64), checkpoints,
+                result = self.engine.store(worker.buffers, keys, rows, checkpoints,
                                            ready=_event(request.ready_event, worker), checks=checks,
                                            alive=lambda: _waiting(context), durable=request.durable,
                                            timeout=context.time_remaining(), remote=shared,

@@ -71,8 +71,8 @@ class Backend(Protocol):
     """What a Worker needs from the cache."""
 
     def match(self, prompt: Request, prefetch: bool) -> Match: ...
-    def load(self, prompt: Request, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult: ...
-    def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
+    def load(self, prompt: Request, rows: np.ndarray, slot: int | None, synchronous: bool) -> LoadResult: ...
+    def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
               durable: bool, ready: Any = None) -> StoreResult: ...
     def evict(self, prompt: Request, tier: Tier | None) -> int: ...
     def connected(self) -> bool: ...
@@ -113,7 +113,7 @@ class Worker:
              slot: int | None = None, synchronous: bool = False) -> LoadResult:
         """Copy the longest hybrid match (at most len(kv_rows) pages) into kv_rows and slot.
         On a GPU the current stream is made to wait for the copies (see the module doc)."""
-        return self._backend.load(self._packed(tokens, keys), list(kv_rows), slot, synchronous)
+        return self._backend.load(self._packed(tokens, keys), _row_array(kv_rows), slot, synchronous)
 
     def store(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
               checkpoints: Mapping[int, int] | None = None, durable: bool = False,
@@ -147,7 +147,7 @@ class Worker:
             cut = first_page if tokens is not None else 0
             request = replace(request, keys=request.keys[16 * cut:], checks=request.checks[8 * cut:],
                               tokens=request.tokens[4 * page * cut:], first_page=first_page)
-        return self._backend.store(request, list(kv_rows), pages, durable, ready)
+        return self._backend.store(request, _row_array(kv_rows), pages, durable, ready)
 
     def evict(self, tokens: Any = None, *, keys: Keys | Chain | None = None,
               tier: Tier | None = None) -> int:
@@ -169,7 +169,30 @@ class Worker:
         self.close()
 
 
+def _row_array(rows: Any) -> np.ndarray:
+    """kv rows as int64, at once for a range, an array or a tensor (a list of 5,461 ints
+    takes ~0.1 ms to convert, once; the engine checks them against the buffers)."""
+    if isinstance(rows, range):
+        return np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)
+    if isinstance(rows, torch.Tensor):
+        rows = rows.cpu().numpy()
+    ids = np.asarray(rows if isinstance(rows, (np.ndarray, list, tuple)) else list(rows))
+    if ids.size == 0:
+        return np.empty(0, np.int64)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise InvalidArgument("kv rows must be a flat list of integers")
+    return ids.astype(np.int64, copy=False)
+
+
 # -- over a daemon -----------------------------------------------------------------------
+def _packed_rows(rows: np.ndarray) -> bytes:
+    """kv rows as a request's kv_rows_packed (uint32 little-endian)."""
+    bad = rows[(rows < 0) | (rows >= 1 << 32)]
+    if bad.size:
+        raise InvalidArgument(f"kv row {int(bad[0])} is out of range: rows count from 0")
+    return rows.astype("<u4").tobytes()
+
+
 def _rpc(call: Callable[[], T]) -> T:
     try:
         return call()
@@ -201,10 +224,10 @@ class _Remote:
                                   prefetch=prefetch)
         return match_from_proto(_rpc(lambda: self._stub.Match(request, **self._call)).match)
 
-    def load(self, prompt: Request, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult:
+    def load(self, prompt: Request, rows: np.ndarray, slot: int | None, synchronous: bool) -> LoadResult:
         with self._events.marked() as ready:
             request = pb.LoadRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                     kv_rows=rows, slot=slot, ready_event=ready,
+                                     kv_rows_packed=_packed_rows(rows), slot=slot, ready_event=ready,
                                      asynchronous=bool(ready) and not synchronous)
             reply = _rpc(lambda: self._stub.Load(request, **self._call))
         result = load_from_proto(reply)
@@ -214,11 +237,11 @@ class _Remote:
             result = LoadResult(result.match, result.bytes_from, result.damaged, done)
         return result
 
-    def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
+    def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
               durable: bool, ready: Any = None) -> StoreResult:
         with self._events.marked(ready) as handle:
             request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                      kv_rows=rows, durable=durable, event_tokens=prompt.tokens,
+                                      kv_rows_packed=_packed_rows(rows), durable=durable, event_tokens=prompt.tokens,
                                       first_page=prompt.first_page, ready_event=handle,
                                       checkpoints=[pb.Checkpoint(pages=n, slot=s)
                                                    for n, s in sorted(checkpoints.items())])
@@ -383,7 +406,7 @@ class _Embedded:
         return self._engine.match(self._buffers.layout, prompt.keys, prefetch=prefetch,
                                   checks=_checks(prompt))
 
-    def load(self, prompt: Request, rows: Sequence[int], slot: int | None, synchronous: bool) -> LoadResult:
+    def load(self, prompt: Request, rows: np.ndarray, slot: int | None, synchronous: bool) -> LoadResult:
         device = self._buffers.device if self._buffers.device.type == "cuda" else None
         result = self._engine.load(self._buffers, prompt.keys, rows, slot, ready=_ready_event(device),
                                    asynchronous=device is not None and not synchronous,
@@ -392,7 +415,7 @@ class _Embedded:
             torch.cuda.current_stream(device).wait_event(result.done)
         return result
 
-    def store(self, prompt: Request, rows: Sequence[int], checkpoints: Mapping[int, int],
+    def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
               durable: bool, ready: Any = None) -> StoreResult:
         device = self._buffers.device if self._buffers.device.type == "cuda" else None
         ready = ready if ready is not None else _ready_event(device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 
 from tests.service.daemon import running_daemon
@@ -42,11 +43,22 @@ CASES = {
         pb.MatchRequest(worker_id="nobody", keys=keys_of(w)))),
     "load, row out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
         pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w), kv_rows=[1, 2, 64], slot=1))),
+    "load, packed row out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
+        pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w), slot=1,
+                       kv_rows_packed=np.array([1, 2, 64], "<u4").tobytes()))),
+    "load, packed rows not 4 bytes each": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
+        pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w), kv_rows_packed=b"\1\0\0", slot=1))),
+    "load, rows given twice": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
+        pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w), kv_rows=[1], slot=1,
+                       kv_rows_packed=np.array([1], "<u4").tobytes()))),
     "load, slot out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
         pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w), kv_rows=[1, 2], slot=16))),
     "store, row out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Store(
         pb.StoreRequest(worker_id=w._backend._id, keys=keys_of(w, list(range(96))),
                         kv_rows=[0, 1, 2, 3, 4, 99]))),
+    "store, packed row out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Store(
+        pb.StoreRequest(worker_id=w._backend._id, keys=keys_of(w, list(range(96))),
+                        kv_rows_packed=np.array([0, 1, 2, 3, 4, 99], "<u4").tobytes()))),
     "store, checkpoint past the prompt": (CODE.INVALID_ARGUMENT, lambda s, w: s.Store(
         pb.StoreRequest(worker_id=w._backend._id, keys=keys_of(w, list(range(96))),
                         kv_rows=range(6), checkpoints=[pb.Checkpoint(pages=7, slot=0)]))),
@@ -99,3 +111,16 @@ def test_the_client_raises_the_same_errors_as_the_engine(world):
         worker.load(prompt(0), kv_rows=[70], slot=0)
     with pytest.raises(InvalidArgument, match="multiple of the page size"):
         worker.store(prompt(0), kv_rows=range(6), checkpoints={50: 0})
+    with pytest.raises(InvalidArgument, match="kv row -1 is out of range"):
+        worker.load(prompt(0), kv_rows=[3, -1], slot=0)  # caught before it is sent
+    with pytest.raises(InvalidArgument, match="flat list of integers"):
+        worker.load(prompt(0), kv_rows=[0.5, 1.5], slot=0)
+
+
+def test_rows_sent_unpacked_load_as_packed_ones_do(world):
+    # kv_rows is the field clients in other languages fill; the Python client packs them
+    client, worker, stub = world
+    packed = worker.load(prompt(0), kv_rows=np.arange(10, 16), slot=1)
+    reply = stub.Load(pb.LoadRequest(worker_id=worker._backend._id, keys=keys_of(worker),
+                                     kv_rows=list(range(10, 16)), slot=1))
+    assert packed.match.pages == reply.match.pages == 6
