@@ -139,6 +139,7 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             return
         namespace = registration.namespace
         yield pb.RegisterResponse(worker_id=registration.id, namespace_root=registration.root,
+                                  reads_packed_rows=True,
                                   layout_fingerprint=namespace.layout_fingerprint,
                                   hash=namespace.hash_name)
         while not registration.gone.wait(1.0) and not self.stopping.is_set() and context.is_active():

@@ -185,12 +185,13 @@ def _row_array(rows: Any) -> np.ndarray:
 
 
 # -- over a daemon -----------------------------------------------------------------------
-def _packed_rows(rows: np.ndarray) -> bytes:
-    """kv rows as a request's kv_rows_packed (uint32 little-endian)."""
+def _rows_fields(rows: np.ndarray, packed: bool) -> dict[str, Any]:
+    """kv rows as a request's fields: kv_rows_packed (uint32 little-endian) for a daemon
+    that reads it, else kv_rows."""
     bad = rows[(rows < 0) | (rows >= 1 << 32)]
     if bad.size:
         raise InvalidArgument(f"kv row {int(bad[0])} is out of range: rows count from 0")
-    return rows.astype("<u4").tobytes()
+    return {"kv_rows_packed": rows.astype("<u4").tobytes()} if packed else {"kv_rows": rows.tolist()}
 
 
 def _rpc(call: Callable[[], T]) -> T:
@@ -212,8 +213,9 @@ def _ready_event(device: torch.device | None) -> torch.cuda.Event | None:
 class _Remote:
     def __init__(self, stub: pb_grpc.TiercacheStub, worker_id: str, stream: Any,
                  shared: SharedBuffers | None, device: torch.device | None, timeout: float,
-                 metadata: tuple[tuple[str, str], ...]) -> None:
+                 metadata: tuple[tuple[str, str], ...], packed: bool) -> None:
         self._stub, self._id, self._stream = stub, worker_id, stream
+        self._packed = packed  # the daemon reads kv_rows_packed
         self._shared, self._device, self._timeout = shared, device, timeout
         self._call = {"timeout": timeout, "metadata": metadata}
         self._events = _Events(device)  # the ready events this worker hands the daemon
@@ -227,7 +229,7 @@ class _Remote:
     def load(self, prompt: Request, rows: np.ndarray, slot: int | None, synchronous: bool) -> LoadResult:
         with self._events.marked() as ready:
             request = pb.LoadRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                     kv_rows_packed=_packed_rows(rows), slot=slot, ready_event=ready,
+                                     slot=slot, ready_event=ready, **_rows_fields(rows, self._packed),
                                      asynchronous=bool(ready) and not synchronous)
             reply = _rpc(lambda: self._stub.Load(request, **self._call))
         result = load_from_proto(reply)
@@ -241,7 +243,7 @@ class _Remote:
               durable: bool, ready: Any = None) -> StoreResult:
         with self._events.marked(ready) as handle:
             request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                      kv_rows_packed=_packed_rows(rows), durable=durable, event_tokens=prompt.tokens,
+                                      durable=durable, **_rows_fields(rows, self._packed), event_tokens=prompt.tokens,
                                       first_page=prompt.first_page, ready_event=handle,
                                       checkpoints=[pb.Checkpoint(pages=n, slot=s)
                                                    for n, s in sorted(checkpoints.items())])
@@ -317,7 +319,7 @@ class Client:
                 raise Unavailable(f"the daemon at {self.address} closed the registration") from None
             raise
         backend = _Remote(self._stub, reply.worker_id, stream, shared, device, self.timeout,
-                          self._metadata)
+                          self._metadata, reply.reads_packed_rows)
         return Worker(backend, layout, PageKey(reply.namespace_root), reply.hash, tensors)
 
     def _handover(self) -> str:

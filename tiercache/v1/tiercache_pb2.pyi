@@ -116,16 +116,18 @@ class RegisterRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferLocation, _Mapping]]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., hash: _Optional[str] = ..., group: _Optional[_Union[Group, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "namespace_root", "layout_fingerprint", "hash")
+    __slots__ = ("worker_id", "namespace_root", "layout_fingerprint", "hash", "reads_packed_rows")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ROOT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
+    READS_PACKED_ROWS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     namespace_root: bytes
     layout_fingerprint: str
     hash: str
-    def __init__(self, worker_id: _Optional[str] = ..., namespace_root: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., hash: _Optional[str] = ...) -> None: ...
+    reads_packed_rows: bool
+    def __init__(self, worker_id: _Optional[str] = ..., namespace_root: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., hash: _Optional[str] = ..., reads_packed_rows: _Optional[bool] = ...) -> None: ...
 
 class UnregisterRequest(_message.Message):
     __slots__ = ("worker_id",)
