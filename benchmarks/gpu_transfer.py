@@ -24,7 +24,8 @@ traced call; a second table without synchronising), beside the worker's wall tim
 same calls and an empty RPC (the health check) on the same daemon; the same calls on
 the worker's clock (when the daemon's call starts, when it queues its first copy, when
 the GPU starts and ends copying, when the reply comes); and the copy alone, by the Triton
-kernel, by the copy engines and by the path CudaTransfer picks, beside a bulk copy.
+kernel, by the copy engines and by the path CudaTransfer picks, beside a bulk copy; and
+how much the worker's own matmuls slow down beside a copy by the kernel or staged.
 """
 
 from __future__ import annotations
@@ -316,6 +317,62 @@ def print_profile() -> None:
                             "starts, median of 5)", ["event", *labels],
                             [(k, *(lines[label][k] for label in labels)) for k in TIMELINE])
     print_copy_alone()
+    print_beside_compute()
+
+
+def print_beside_compute(rounds: int = 5) -> None:
+    """What a copy between the worker and host slots costs the worker's own kernels: 12
+    bf16 matmuls of 8192^3 on a stream of the worker's, alone and beside a 512 MiB load
+    or store in 4 KiB rows (slots in one run) by the Triton launch reading or writing
+    host memory itself, or staged through CudaTransfer's ring (CUDA events, medians)."""
+    from tiercache.tiers.host import HostMemory
+    from tiercache.transfer import CudaTransfer
+    memory, transfer = HostMemory(pin=True), CudaTransfer.open(torch.device("cuda"))
+    row_bytes, pages = 4096, TOTAL // (BUFFERS * 4096)
+    buffers = [torch.zeros((2 * pages, row_bytes), dtype=torch.uint8, device="cuda") for _ in range(BUFFERS)]
+    offsets = [b * row_bytes for b in range(BUFFERS)]
+    slots = memory.allocate(pages, BUFFERS * row_bytes)
+    rows, part = torch.randperm(2 * pages)[:pages].numpy(), SlabPart(slots, np.arange(pages), np.arange(pages))
+    addresses = slots.data_ptr() + np.arange(pages, dtype=np.int64) * slots.stride(0)
+    table = transfer._table(buffers, offsets)
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    worker = torch.cuda.Stream()
+
+    def copy(direction: str, staged: bool) -> None:
+        if not staged:
+            transfer._run(table, rows, addresses, direction == "store", direction)
+        elif direction == "store":
+            transfer.gather(buffers, offsets, rows, [part])
+        else:
+            transfer.scatter([part], buffers, offsets, rows)
+
+    def matmuls_ms(beside: Callable[[], None] | None) -> float:
+        torch.cuda.synchronize()
+        with torch.cuda.stream(worker):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(12):
+                a @ b
+            end.record()
+        if beside is not None:
+            beside()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    out = []
+    for direction in ("load", "store"):
+        ms = {how: [] for how in ("alone", "launch", "staged")}
+        for _ in range(rounds + 1):  # the first round warms up
+            for how in ms:
+                ms[how].append(matmuls_ms(None if how == "alone" else
+                                          lambda: copy(direction, how == "staged")))
+        alone = float(np.median(ms["alone"][1:]))
+        out.append((direction, alone, *(float(np.median(ms[how][1:])) / alone for how in ("launch", "staged"))))
+    memory.release(slots)
+    memory.close()
+    print_table("the worker's kernels beside a copy: 12 bf16 matmuls of 8192^3 on the worker's stream, "
+                "alone and beside 512 MiB in 4 KiB rows to or from host slots (CUDA events, median of "
+                f"{rounds})", ["copy", "matmuls alone ms", "beside the launch / alone",
+                               "beside the staged copy / alone"], out)
 
 
 def print_copy_alone() -> None:

@@ -170,10 +170,10 @@ class Done:
 # to one bulk copy, loads: rows of 4-64 KiB 0.95-0.98 staged against 0.92 by the launch
 # reading host memory itself; stores 0.91-0.94 against 0.94-0.95. What decides it is the
 # worker's own kernels: a launch that reads or writes host memory holds SMs for the
-# whole copy, so 12 bf16 matmuls on the worker's stream took 1.6-2.0x as long beside a
-# 512 MiB load by the launch and 1.5x beside a store, 0.96-0.97x beside staged ones
-# (a scratch probe, two runs). Halves of 32 MiB gave 0.94-0.96; of 16 MiB, 0.92-0.97 at
-# four times the CPU time.
+# whole copy, so 12 bf16 matmuls on the worker's stream took 1.5-1.6x as long beside a
+# 512 MiB load or store by the launch, 0.95-1.03x beside a staged one (gpu_transfer
+# --profile). Halves of 32 MiB gave 0.94-0.96; of 16 MiB, 0.92-0.97 at four times the
+# CPU time (a scratch probe).
 STAGE_BYTES = 64 << 20  # each half of a direction's ring (GPU memory, taken at first use)
 MIN_RUN_BYTES = 1 << 20  # staged only where the slots' runs are this long on average
 MAX_STAGED_ENTRY = STAGE_BYTES // 4  # longer entries keep their rows' own path
