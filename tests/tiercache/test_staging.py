@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.tiercache.test_copy_engines import engine_calls  # noqa: F401 (a fixture: the batches the engines get)
 from tiercache import copy_engines, transfer
 from tiercache.tiers.arena import SlabPart
 from tiercache.transfer import _pieces
@@ -36,18 +37,6 @@ def small_ring(monkeypatch):
     monkeypatch.setattr(transfer, "STAGE_BYTES", 1 << 20)
     monkeypatch.setattr(transfer, "MAX_STAGED_ENTRY", 1 << 18)
     monkeypatch.setattr(transfer, "MIN_RUN_BYTES", 64 * 1024)
-
-
-@pytest.fixture
-def engine_calls(monkeypatch):
-    """The piece counts of the batches queued on the copy engines."""
-    calls, real = [], copy_engines.copy
-
-    def spy(dsts, srcs, sizes, stream):
-        calls.append(len(dsts))
-        real(dsts, srcs, sizes, stream)
-    monkeypatch.setattr(copy_engines, "copy", spy)
-    return calls
 
 
 def worker_buffers(rows, seed):
