@@ -168,7 +168,7 @@ class Done:
 # gathers into the ring and the engines copy it out. Measured on an H100 (2026-11-26,
 # 512 MiB in 24 buffers, slots in one run, benchmarks.gpu_transfer's copy alone), ratio
 # to one bulk copy, loads: rows of 4-64 KiB 0.95-0.98 staged against 0.92 by the launch
-# reading host memory itself; stores 0.91-0.94 against 0.94-0.95. What decides it is the
+# reading host memory itself; stores 0.92-0.95 against 0.94-0.95. What decides it is the
 # worker's own kernels: a launch that reads or writes host memory holds SMs for the
 # whole copy, so 12 bf16 matmuls on the worker's stream took 1.5-1.6x as long beside a
 # 512 MiB load or store by the launch, 0.95-1.03x beside a staged one (gpu_transfer
