@@ -232,7 +232,7 @@ class CudaTransfer:
         self._streams = streams
         self._tables: dict[int, tuple[Sequence[torch.Tensor], Any]] = {}  # by id of the buffers
         self._engines = copy_engines.available()  # until the driver refuses a batch
-        self._rings: dict[str, _Ring] = {}
+        self._rings: dict[str, _Ring | None] = {}
         self._rings_lock = threading.Lock()
 
     @classmethod
@@ -314,6 +314,8 @@ class CudaTransfer:
         from tiercache.kernels import copy_rows  # Triton only where there is a GPU
         direction = "store" if to_slots else "load"
         ring = self._ring(direction)
+        if ring is None:
+            return False
         kernel, pcie = self._streams[direction], self._streams[direction + " pcie"]
         # a load copies a half in, then scatters it; a store gathers, then copies it out
         first, then = (kernel, pcie) if to_slots else (pcie, kernel)
@@ -348,11 +350,21 @@ class CudaTransfer:
             self._run(table, rows[remaining], addresses[remaining], to_slots, direction)
         return True
 
-    def _ring(self, direction: str) -> _Ring:
+    def _ring(self, direction: str) -> _Ring | None:
+        """The direction's ring, made at first use; None if the GPU had no room for it
+        (then that direction copies by the launch from now on, said once)."""
         with self._rings_lock:
             if direction not in self._rings:
-                with torch.cuda.device(self.device):
-                    self._rings[direction] = _Ring(self.device)
+                try:
+                    with torch.cuda.device(self.device):
+                        self._rings[direction] = _Ring(self.device)
+                except torch.cuda.OutOfMemoryError:
+                    self._rings[direction] = None
+                    log.warning("no room on %s for the %d MiB that %ss between the worker and "
+                                "host memory pass through: they take SMs from the worker's "
+                                "kernels while they run (free GPU memory and restart the "
+                                "daemon to stage them)", self.device, 2 * STAGE_BYTES >> 20,
+                                direction)
             return self._rings[direction]
 
     def _engines_refused(self, error: Exception) -> None:

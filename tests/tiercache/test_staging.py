@@ -170,3 +170,29 @@ def test_a_staged_batch_the_engines_refuse_part_way_is_finished_by_the_kernel(sm
     assert "copy engines refused a batch" in caplog.text
     cuda.close()
     memory.release(slab)
+
+
+@gpu
+def test_without_room_for_the_ring_the_launch_copies_and_says_so(small_ring, engine_calls, monkeypatch, caplog):
+    from tiercache.transfer import CudaTransfer, _Ring
+
+    def no_room(self, device):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test)")
+    monkeypatch.setattr(_Ring, "__init__", no_room)
+    source = worker_buffers(300, 5)
+    memory, (slab,) = host_slabs(1, 200)
+    rows = np.random.default_rng(3).permutation(300)[:200]
+    part = SlabPart(slab, np.arange(200), np.arange(200))
+    cuda = CudaTransfer.open(torch.device("cuda"))
+    for _ in range(2):  # asked once, said once
+        cuda.gather(source, [0, 4096], rows, [part])
+        cuda.fence("store").synchronize()
+        expect_entries(slab, np.arange(200), source, rows)
+        dest = [torch.zeros_like(b) for b in source]
+        cuda.scatter([part], dest, [0, 4096], rows)
+        cuda.fence("load").synchronize()
+        assert all(torch.equal(d[rows], s[rows]) for d, s in zip(dest, source))
+    assert engine_calls == []
+    assert caplog.text.count("no room on") == 2  # one line per direction
+    cuda.close()
+    memory.release(slab)
