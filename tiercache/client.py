@@ -243,8 +243,9 @@ class _Remote:
               durable: bool, ready: Any = None) -> StoreResult:
         with self._events.marked(ready) as handle:
             request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                      durable=durable, **_rows_fields(rows, self._packed), event_tokens=prompt.tokens,
+                                      durable=durable, event_tokens=prompt.tokens,
                                       first_page=prompt.first_page, ready_event=handle,
+                                      **_rows_fields(rows, self._packed),
                                       checkpoints=[pb.Checkpoint(pages=n, slot=s)
                                                    for n, s in sorted(checkpoints.items())])
             return store_from_proto(_rpc(lambda: self._stub.Store(request, **self._call)))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.tiercache.test_copy_engines import engine_calls  # noqa: F401 (a fixture: the batches the engines get)
+from tests.tiercache.test_copy_engines import engine_calls  # noqa: F401 (a fixture)
 from tiercache import copy_engines, transfer
 from tiercache.tiers.arena import SlabPart
 from tiercache.transfer import _pieces
@@ -144,7 +144,8 @@ def test_two_threads_through_one_ring_each_get_their_own_bytes(small_ring):
 
 
 @gpu
-def test_a_staged_batch_the_engines_refuse_part_way_is_finished_by_the_kernel(small_ring, monkeypatch, caplog):
+def test_a_staged_batch_the_engines_refuse_part_way_is_finished_by_the_kernel(small_ring, monkeypatch,
+                                                                             caplog):
     from tiercache.transfer import CudaTransfer
     real, calls = copy_engines.copy, []
 
@@ -173,7 +174,8 @@ def test_a_staged_batch_the_engines_refuse_part_way_is_finished_by_the_kernel(sm
 
 
 @gpu
-def test_without_room_for_the_ring_the_launch_copies_and_says_so(small_ring, engine_calls, monkeypatch, caplog):
+def test_without_room_for_the_ring_the_launch_copies_and_says_so(small_ring, engine_calls, monkeypatch,
+                                                                caplog):
     from tiercache.transfer import CudaTransfer, _Ring
 
     def no_room(self, device):
