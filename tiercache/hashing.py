@@ -205,18 +205,20 @@ def _surely_distinct(chain: np.ndarray) -> bool:
     compared, with the winner and among themselves."""
     lo = chain[:, 0]
     if len(chain) <= _SORTED:
-        halves = np.sort(lo)
-        return not np.any(halves[1:] == halves[:-1])
+        return _untied(lo)
     size = 1 << (16 * len(chain) - 1).bit_length()
     at = (lo & np.uint64(size - 1)).astype(np.intp)
     table, each = np.empty(size, np.intp), np.arange(len(chain))
     table[at] = each  # one of the keys of each slot stays there
     winners = table[at]
     lost = np.flatnonzero(winners != each)
-    if np.any(lo[lost] == lo[winners[lost]]):
-        return False
-    halves = np.sort(lo[lost])
-    return not np.any(halves[1:] == halves[:-1])
+    return not np.any(lo[lost] == lo[winners[lost]]) and _untied(lo[lost])
+
+
+def _untied(values: np.ndarray) -> bool:
+    """Whether no two of `values` are equal (a sort, then neighbours)."""
+    ordered = np.sort(values)
+    return not np.any(ordered[1:] == ordered[:-1])
 
 
 def distinct_keys(keys: Keys) -> np.ndarray:

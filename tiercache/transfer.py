@@ -182,10 +182,10 @@ MAX_STAGED_ENTRY = STAGE_BYTES // 4  # longer entries keep their rows' own path
 def _pieces(addresses: np.ndarray, stride: int, slabs: np.ndarray, per_half: int
             ) -> tuple[np.ndarray, np.ndarray, int]:
     """What the copy engines move for a staged copy of the slots at sorted `addresses`,
-    `stride` bytes apart: runs of consecutive slots of one slab (`slabs` numbers them: a run never spans
-    two allocations, even where one ends right where the next begins), cut where a half
-    of the ring (`per_half` slots) ends. Returns where each piece starts, how many slots
-    it holds, and how many runs there are before the cuts."""
+    `stride` bytes apart: runs of consecutive slots of one slab (`slabs` numbers them: a
+    run never spans two allocations, even where one ends right where the next begins),
+    cut where a half of the ring (`per_half` slots) ends. Returns where each piece
+    starts, how many slots it holds, and how many runs there are before the cuts."""
     step = np.diff(addresses) != stride
     step |= np.diff(slabs) != 0
     runs = 1 + int(np.count_nonzero(step))

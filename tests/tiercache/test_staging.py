@@ -60,6 +60,18 @@ def expect_entries(slab, slots, buffers, rows):
         assert torch.equal(slab[s, 4096:].cuda(), buffers[1][r])
 
 
+def store_and_load_back(cuda, source, slab, part, rows):
+    """Store `rows` into the part's slots (positions in order), then load them into the
+    same rows of fresh buffers: both exact."""
+    cuda.gather(source, [0, 4096], rows, [part])
+    cuda.fence("store").synchronize()
+    expect_entries(slab, part.local, source, rows)
+    dest = [torch.zeros_like(b) for b in source]
+    cuda.scatter([part], dest, [0, 4096], rows)
+    cuda.fence("load").synchronize()
+    assert all(torch.equal(d[rows], s[rows]) for d, s in zip(dest, source))
+
+
 @gpu
 def test_runs_of_slots_go_through_the_ring_and_come_back_exactly(small_ring, engine_calls):
     from tiercache.transfer import CudaTransfer
@@ -160,14 +172,9 @@ def test_a_staged_batch_the_engines_refuse_part_way_is_finished_by_the_kernel(sm
     rows = np.random.default_rng(2).permutation(300)[:200]
     cuda = CudaTransfer.open(torch.device("cuda"))
     part = SlabPart(slab, np.arange(200), np.arange(200))
-    cuda.gather(source, [0, 4096], rows, [part])  # 200 entries, 64 a half: the second turn is refused
-    cuda.fence("store").synchronize()
-    expect_entries(slab, np.arange(200), source, rows)
-    dest = [torch.zeros_like(b) for b in source]
-    cuda.scatter([part], dest, [0, 4096], rows)
-    cuda.fence("load").synchronize()
-    assert all(torch.equal(d[rows], s[rows]) for d, s in zip(dest, source))
-    assert calls == [1, 1]  # and the engines are asked no more
+    # 200 entries, 64 a half: the store's second turn is refused, and the engines asked no more
+    store_and_load_back(cuda, source, slab, part, rows)
+    assert calls == [1, 1]
     assert "copy engines refused a batch" in caplog.text
     cuda.close()
     memory.release(slab)
@@ -187,13 +194,7 @@ def test_without_room_for_the_ring_the_launch_copies_and_says_so(small_ring, eng
     part = SlabPart(slab, np.arange(200), np.arange(200))
     cuda = CudaTransfer.open(torch.device("cuda"))
     for _ in range(2):  # asked once, said once
-        cuda.gather(source, [0, 4096], rows, [part])
-        cuda.fence("store").synchronize()
-        expect_entries(slab, np.arange(200), source, rows)
-        dest = [torch.zeros_like(b) for b in source]
-        cuda.scatter([part], dest, [0, 4096], rows)
-        cuda.fence("load").synchronize()
-        assert all(torch.equal(d[rows], s[rows]) for d, s in zip(dest, source))
+        store_and_load_back(cuda, source, slab, part, rows)
     assert engine_calls == []
     assert caplog.text.count("no room on") == 2  # one line per direction
     cuda.close()
