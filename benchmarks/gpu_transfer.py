@@ -17,7 +17,9 @@ recurrent state and an 8192x3 bf16 conv state): the time until the worker may re
 rows after Store (the daemon's device tier takes the bytes device to device), beside one
 device-to-device copy of the same bytes; and the reload time from the device tier (right
 behind the store, while the daemon copies its entries down to the host, and again once
-it is idle) and from the host tier, beside a device-to-device copy and a bulk pinned copy.
+it is idle) and from the host tier, beside a device-to-device copy and a bulk pinned copy;
+and the floor of a call through gRPC against which the device-tier figures stand: an empty
+RPC (the health check) on the same daemon plus the device-to-device copy.
 
 With --profile, first: where stores and loads of 512 MiB and of the 32k prefix go, step
 by step (tiercache/trace.py: the daemon synchronises with the GPU around each step of a
@@ -196,15 +198,19 @@ def prefix_32k(address: str) -> dict[str, float]:
         torch.cuda.current_stream().synchronize()
     d2d_s = best_seconds(d2d, repeat=9)
     h2d_s = bulk(nbytes)[0]
+    rpc_s = _empty_rpc_ms(address) / 1e3  # the least any call through gRPC to the daemon takes
     print_table(f"32k-token Qwen3-Next-shaped prefix ({nbytes / MiB:.0f} MiB: KV pages + one checkpoint)",
                 ["operation", "ms", "peer", "peer ms", "ours / peer"],
                 [("store, rows reusable", store_s * 1e3, "d2d copy", d2d_s * 1e3, store_s / d2d_s),
                  ("reload from device, behind its store", device_s * 1e3, "d2d copy", d2d_s * 1e3,
                   device_s / d2d_s),
                  ("reload from device, idle daemon", idle_s * 1e3, "d2d copy", d2d_s * 1e3, idle_s / d2d_s),
-                 ("reload from host", host_s * 1e3, "bulk h2d", h2d_s * 1e3, host_s / h2d_s)])
+                 ("reload from host", host_s * 1e3, "bulk h2d", h2d_s * 1e3, host_s / h2d_s),
+                 ("empty RPC + d2d copy: the floor", (rpc_s + d2d_s) * 1e3, "d2d copy", d2d_s * 1e3,
+                  (rpc_s + d2d_s) / d2d_s)])
     return {"store_32k_over_d2d": store_s / d2d_s, "reload_device_32k_over_d2d": device_s / d2d_s,
-            "reload_device_idle_32k_over_d2d": idle_s / d2d_s, "reload_host_32k_over_bulk": host_s / h2d_s}
+            "reload_device_idle_32k_over_d2d": idle_s / d2d_s, "reload_host_32k_over_bulk": host_s / h2d_s,
+            "floor_32k_over_d2d": (rpc_s + d2d_s) / d2d_s}
 
 
 Wall = tuple[str, float, float, float]  # label, start (perf_counter ms), reply and done (ms after start)

@@ -63,7 +63,8 @@ class Index:
 
     def __init__(self, capacity: int = 1024) -> None:
         self._maps = (KeyMap(), KeyMap())  # by Kind
-        self._free: list[int] = []
+        self._free = np.empty(0, np.int64)  # a stack of rows in no use: the top at _n_free - 1
+        self._n_free = 0
         self._clock = 0
         self._cols: dict[str, np.ndarray] = {}
         self._capacity = 0
@@ -83,8 +84,16 @@ class Index:
             if name in self._cols:
                 col[:old] = self._cols[name][:old]
             self._cols[name] = col
-        self._free.extend(range(capacity - 1, old - 1, -1))  # pop() hands out low rows first
+        free = np.empty(capacity, np.int64)  # room for every row: no push outgrows it
+        free[:self._n_free] = self._free[:self._n_free]
+        free[self._n_free:self._n_free + capacity - old] = np.arange(capacity - 1, old - 1, -1)
+        self._free, self._n_free = free, self._n_free + capacity - old  # low rows on top
         self._capacity = capacity
+
+    @property
+    def free_rows(self) -> np.ndarray:
+        """The rows in no use (a copy)."""
+        return self._free[:self._n_free].copy()
 
     def _slot_column(self, tier: Tier) -> np.ndarray:
         return self._cols[f"slot_{int(tier)}"]
@@ -253,12 +262,12 @@ class Index:
                   checks: np.ndarray | None) -> np.ndarray:
         if not len(keys):
             return np.empty(0, np.int64)
-        if len(keys) > len(self._free):
+        if len(keys) > self._n_free:
             self._grow(max(2 * self._capacity, self._capacity + len(keys)))
-        fresh = np.array(self._free[-len(keys):][::-1], np.int64)
+        fresh = self._free[self._n_free - len(keys):self._n_free][::-1].copy()
         # the callers looked the keys up under the same lock: absent; repeats are refused
         self._maps[kind].insert(keys, fresh, looked_up=True)
-        del self._free[-len(keys):]
+        self._n_free -= len(keys)
         cols = self._cols
         cols["kind"][fresh] = int(kind)
         cols["tiers"][fresh] = 0
@@ -307,7 +316,8 @@ class Index:
             leaving = gone[self._cols["kind"][gone] == kind]
             if len(leaving):
                 self._maps[kind].delete(self.keys(leaving))
-        self._free.extend(gone.tolist())
+        self._free[self._n_free:self._n_free + len(gone)] = gone
+        self._n_free += len(gone)
 
     def raise_values(self, rows: np.ndarray, values: np.ndarray) -> None:
         """Rate entries (distinct rows) at least `values`: an entry shared by several prompts

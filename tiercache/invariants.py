@@ -69,7 +69,7 @@ def _keys(index: Index) -> list[str]:
         if len(index._maps[kind]) != len(rows):
             found.append(f"the {kind.name.lower()} key map holds {len(index._maps[kind])} keys for "
                          f"{len(rows)} entries")
-    free = np.asarray(index._free, np.int64)
+    free = index.free_rows
     if len(np.unique(free)) != len(free):
         found.append("a row is on the free list twice")
     if np.isin(free, live).any():

@@ -127,62 +127,55 @@ class Stores:
         ends = np.union1d(np.flatnonzero(found >= 0) + 1 + first, depths)
         page_values, end_values = entry_values(layout, first + len(job.chain), ends)
         page_values = page_values[first:]
-        result, published, flights = StoreResult(0, 0, 0), {}, []
+        result, published = StoreResult(0, 0, 0), {}
         try:
             if job.src is not None:
-                self._start(job, Group.pages(job.buffers, job.transfer), job.chain,
-                            np.arange(first + 1, first + len(job.chain) + 1), job.src, page_values,
-                            stamp, job.checks, published, flights)
+                result += self._store(job, Group.pages(job.buffers, job.transfer), job.chain,
+                                      np.arange(first + 1, first + len(job.chain) + 1), job.src,
+                                      page_values, stamp, job.checks, published)[0]
             elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
                 self.books.raise_values(Kind.PAGE, job.chain, page_values)
             if len(depths):
-                self._start(job, Group.checkpoints(job.buffers, job.transfer), job.chain[local], depths,
-                            np.array([job.slots[d] for d in depths.tolist()], np.int64),
-                            end_values[np.searchsorted(ends, depths)], stamp,
-                            None if job.checks is None else job.checks[local], published, flights)
-            # the checkpoints' copies were launched behind the pages': one wait for both.
-            # The pages are published first, and a store that found no room for any page
-            # fails before its checkpoints are published (result raises)
-            for flight in flights:
-                flight.finish()
-                part, kept = flight.result()
-                checkpoints = () if flight.group.kind == Kind.PAGE else tuple(depths[kept].tolist())
-                result += StoreResult(part.stored, part.present, part.skipped, checkpoints)
+                part, kept = self._store(job, Group.checkpoints(job.buffers, job.transfer),
+                                         job.chain[local], depths,
+                                         np.array([job.slots[d] for d in depths.tolist()], np.int64),
+                                         end_values[np.searchsorted(ends, depths)], stamp,
+                                         None if job.checks is None else job.checks[local], published)
+                result += StoreResult(part.stored, part.present, part.skipped,
+                                      tuple(depths[kept].tolist()))
         finally:
-            try:
-                for flight in flights:
-                    flight.close()
-            finally:
-                # copies down and to disk start once the store is done: launched between its
-                # copies, they would take the GPU's SMs and the GIL from the copies that follow
-                for tier, rows in published.items():
-                    (self.background.stored_on_device if tier == Tier.DEVICE else self.background.stored)(
-                        np.concatenate(rows))
+            # copies down and to disk start once the store is done: launched between its
+            # copies, they would take the GPU's SMs and the GIL from the copies that follow
+            for tier, rows in published.items():
+                (self.background.stored_on_device if tier == Tier.DEVICE else self.background.stored)(
+                    np.concatenate(rows))
         return result
 
-    def _start(self, job: StoreJob, group: Group, keys: np.ndarray, depths: np.ndarray,
+    def _store(self, job: StoreJob, group: Group, keys: np.ndarray, depths: np.ndarray,
                src: np.ndarray, values: np.ndarray, stamp: int, checks: np.ndarray | None,
-               published: dict[Tier, list[np.ndarray]], flights: list["_Flight"]) -> None:
-        """Claim entries and launch their copies into the first tier: the device tier for
-        workers on its GPU, else the host. The flight goes on `flights` before anything is
-        claimed: the caller finishes it (publishing what it copied) and closes it.
+               published: dict[Tier, list[np.ndarray]]) -> tuple[StoreResult, np.ndarray]:
+        """Store entries in the first tier: the device tier for workers on its GPU, else the
+        host. Returns the result and which keys are cached now.
 
-        Into host memory, a pipeline: the keys are claimed in parts (the first small, so
-        the first copy starts early), each part's batches are launched as soon as their
-        slots are reserved, and a batch is published once its copy is done, while the next
-        one runs: the bookkeeping of one part overlaps the copy of the one before. Device
-        to device, a copy takes a fraction of its claim's time: one part."""
+        A pipeline: the keys are claimed in parts (the first small, so the first copy
+        starts early), each part's batches are launched as soon as their slots are
+        reserved, and a batch is published once its copy is done, while the next one
+        runs: the bookkeeping of one part overlaps the copy of the one before."""
         group.transfer.wait_for(job.ready, "store")
         flight = _Flight(self, job, group, stamp, Tier.DEVICE
-                         if group.transfer is self.mover.device_transfer else Tier.HOST, published,
-                         len(keys))
-        flights.append(flight)
-        for part in _parts(len(keys), flight.tier):
-            with trace.span("claim"):
-                claim = self.books.claim(group.kind, keys[part], depths[part], group.nbytes,
-                                         values[part], stamp, None if checks is None else checks[part],
-                                         job.shared, job.pins)
-            flight.copy(part, claim, src[part])
+                         if group.transfer is self.mover.device_transfer else Tier.HOST, published)
+        try:
+            for part in _parts(len(keys)):
+                with trace.span("claim"):
+                    claim = self.books.claim(group.kind, keys[part], depths[part], group.nbytes,
+                                             values[part], stamp,
+                                             None if checks is None else checks[part], job.shared,
+                                             job.pins)
+                flight.copy(part, claim, src[part])
+            flight.finish()
+        finally:
+            flight.close()
+        return flight.result(len(keys))
 
     def persist(self, job: StoreJob, stored: StoreResult, timeout: float | None) -> None:
         """Commit the entries of a store to disk before it is acknowledged as durable. The
@@ -226,13 +219,10 @@ class Stores:
 _FIRST_PART = 512  # keys claimed before the first copy starts; each part after is 2x larger
 
 
-def _parts(count: int, tier: Tier) -> list[slice]:
-    """The parts a store's keys are claimed in: into host memory 512, 1,024, 2,048, ...
-    keys (claiming twice the keys takes the CPU less time than the GPU takes to copy a
-    part's rows into host memory, so the copies follow one another); into the device
-    tier, all at once."""
-    if tier == Tier.DEVICE:
-        return [slice(0, count)]
+def _parts(count: int) -> list[slice]:
+    """The parts a store's keys are claimed in: 512, 1,024, 2,048, ... keys (claiming
+    twice the keys takes the CPU less time than the GPU takes to copy a part's rows
+    into host memory, so the copies follow one another)."""
     parts, start, size = [], 0, _FIRST_PART
     while start < count:
         parts.append(slice(start, min(count, start + size)))
@@ -265,9 +255,8 @@ class _Flight:
     in order, each once its copy is done (invariant 1) and the caller still waits."""
 
     def __init__(self, stores: Stores, job: StoreJob, group: Group, stamp: int, tier: Tier,
-                 published: dict[Tier, list[np.ndarray]], count: int) -> None:
+                 published: dict[Tier, list[np.ndarray]]) -> None:
         self.stores, self.books, self.job, self.group = stores, stores.books, job, group
-        self.count = count  # the keys it stores
         self.stamp, self.tier = stamp, tier
         self.parts: list[_Part] = []
         self.flying: list[_Batch] = []
@@ -366,9 +355,9 @@ class _Flight:
                 todo = len(part.claim.todo)
                 self.books.unclaim(self.group.kind, part.claim, part.published, todo - part.published)
 
-    def result(self) -> tuple[StoreResult, np.ndarray]:
-        """The flight's result and which of its keys are cached now."""
-        kept = np.ones(self.count, bool)
+    def result(self, count: int) -> tuple[StoreResult, np.ndarray]:
+        """The store's result and which of its `count` keys are cached now."""
+        kept = np.ones(count, bool)
         stored = present = skipped = todo = 0
         for part in self.parts:
             claim, first = part.claim, part.where.start

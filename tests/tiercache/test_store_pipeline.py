@@ -17,7 +17,7 @@ from tiercache.failpoints import InjectedFault
 from tiercache.hashing import key_array
 from tiercache.invariants import violations
 from tiercache.layout import BufferSpec, Layout
-from tiercache.results import Kind, Tier
+from tiercache.results import Kind
 from tiercache.store import _parts
 from tiercache.tiers.host import HostConfig
 
@@ -40,12 +40,10 @@ def loaded(engine: Engine, keys, source, rows) -> int:
 
 
 def test_parts_cover_the_keys_once_in_order():
-    for tier in (Tier.HOST, Tier.DEVICE):
-        for count in (0, 1, 511, 512, 513, 2560, 2561, 12_000):
-            covered = np.concatenate([np.arange(count)[p] for p in _parts(count, tier)] or [np.empty(0, int)])
-            assert covered.tolist() == list(range(count))
-    assert [p.stop - p.start for p in _parts(3000, Tier.HOST)] == [512, 1024, 1464]
-    assert [p.stop - p.start for p in _parts(3000, Tier.DEVICE)] == [3000]  # device to device: at once
+    for count in (0, 1, 511, 512, 513, 2560, 2561, 12_000):
+        covered = np.concatenate([np.arange(count)[p] for p in _parts(count)] or [np.empty(0, int)])
+        assert covered.tolist() == list(range(count))
+    assert [p.stop - p.start for p in _parts(3000)] == [512, 1024, 1464]
 
 
 def test_a_store_of_several_parts_counts_and_keeps_every_entry():
