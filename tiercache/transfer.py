@@ -89,6 +89,14 @@ def _scatters(part: SlabPart, buffers: Sequence[torch.Tensor], offsets: Sequence
     return [copy(b, at) for b, at in zip(buffers, offsets)]
 
 
+INLINE_BYTES = 1 << 20  # CpuTransfer copies smaller batches on the calling thread
+
+
+def _bytes(parts: Sequence[SlabPart], buffers: Sequence[torch.Tensor]) -> int:
+    """The bytes a batch copies: its entries' rows of every buffer."""
+    return sum(len(p.local) for p in parts) * sum(b.shape[1] for b in buffers)
+
+
 def _run_all(copies: list[Callable[[], None]]) -> None:
     for copy in copies:
         copy()
@@ -101,10 +109,12 @@ class CpuTransfer:
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
 
-    def _each(self, copies: list[Callable[[], None]]) -> None:
-        """Run `copies` on the pool: one job per thread, each taking every `threads`-th
-        copy (a job per copy costs a hand-off each: ~0.1 of the bandwidth at 16 KiB rows)."""
-        if len(copies) < 2 or self._threads < 2:
+    def _each(self, copies: list[Callable[[], None]], nbytes: int) -> None:
+        """Run `copies` (of `nbytes` in all) on the pool: one job per thread, each taking
+        every `threads`-th copy (a job per copy costs a hand-off each: ~0.1 of the
+        bandwidth at 16 KiB rows); a small batch here (handing it to the pool and waiting
+        took ~0.1 ms, more than a copy of 1 MiB on the 2-core machine)."""
+        if len(copies) < 2 or self._threads < 2 or nbytes < INLINE_BYTES:
             _run_all(copies)
             return
         if self._pool is None:
@@ -116,13 +126,15 @@ class CpuTransfer:
                rows: np.ndarray, parts: Sequence[SlabPart]) -> None:
         """For each part: part.slab[part.local[i], entry bytes of buffer b] =
         buffers[b][rows[part.positions[i]]]."""
-        self._each([copy for part in parts for copy in _gathers(buffers, offsets, rows, part)])
+        self._each([copy for part in parts for copy in _gathers(buffers, offsets, rows, part)],
+                   _bytes(parts, buffers))
 
     def scatter(self, parts: Sequence[SlabPart], buffers: Sequence[torch.Tensor],
                 offsets: Sequence[int], rows: np.ndarray) -> None:
         """For each part: buffers[b][rows[part.positions[i]]] = part.slab[part.local[i],
         entry bytes of buffer b]."""
-        self._each([copy for part in parts for copy in _scatters(part, buffers, offsets, rows)])
+        self._each([copy for part in parts for copy in _scatters(part, buffers, offsets, rows)],
+                   _bytes(parts, buffers))
 
     def copy_entries(self, parts: Sequence[SlabPart], addresses: np.ndarray) -> None:
         """Copy whole entries from arena slots (`parts`) to the slots at `addresses`, as
