@@ -112,8 +112,8 @@ class CpuTransfer:
     def _each(self, copies: list[Callable[[], None]], nbytes: int) -> None:
         """Run `copies` (of `nbytes` in all) on the pool: one job per thread, each taking
         every `threads`-th copy (a job per copy costs a hand-off each: ~0.1 of the
-        bandwidth at 16 KiB rows); a small batch here (handing it to the pool and waiting
-        took ~0.1 ms, more than a copy of 1 MiB on the 2-core machine)."""
+        bandwidth at 16 KiB rows); a batch under INLINE_BYTES here (handing it to the pool
+        and waiting took ~0.1 ms on the 2-core machine, about what copying 1 MiB takes)."""
         if len(copies) < 2 or self._threads < 2 or nbytes < INLINE_BYTES:
             _run_all(copies)
             return
