@@ -168,14 +168,16 @@ class Loads:
             from_disk = from_disk[:len(promo)]
         pool = self.books.host.pool(nbytes)
         slots = found.host_slots.copy()
-        staging = torch.empty((0, nbytes), dtype=torch.uint8)
-        if len(from_disk) > len(promo):  # page-locked for a GPU; none for most loads
+        # disk entries without a promoted slot are read into staging memory (page-locked for
+        # a GPU); most loads need none (an empty tensor for each took ~50 us on an H100 host)
+        staging = None
+        if len(from_disk) > len(promo):
             staging = torch.empty((len(from_disk) - len(promo), nbytes), dtype=torch.uint8,
                                   pin_memory=group.transfer.device.type == "cuda")
             done.staging.append(staging)
         if len(from_disk):
             bad = self.mover.read(group.kind, entry_rows[from_disk], self.books.keys(entry_rows[from_disk]),
-                                  [pool.view(s) for s in promo] + list(staging))
+                                  [pool.view(s) for s in promo] + list(() if staging is None else staging))
             if bad:
                 done.damaged.extend(bad)
                 return None
@@ -186,7 +188,7 @@ class Loads:
             at = np.flatnonzero(found.on_device)
             parts += [SlabPart(p.slab, p.local, at[p.positions])
                       for p in self.books.device.pool(nbytes).parts(found.device_slots)]
-        if len(staging):
+        if staging is not None:
             parts.append(SlabPart(staging, np.arange(len(staging)), from_disk[len(promo):]))
         counts = {Tier.DEVICE: len(found.device_slots), Tier.DISK: len(from_disk),
                   Tier.HOST: len(entry_rows) - len(found.device_slots) - len(from_disk)}
