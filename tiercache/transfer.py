@@ -334,8 +334,8 @@ class CudaTransfer:
         done = 0
         try:
             with ring.lock, torch.cuda.stream(kernel):
-                on_device = torch.from_numpy(rows).to(self.device, non_blocking=True)
-                for done in range(0, len(rows), per_half):
+                on_device = None  # the rows, uploaded before the first launch: a load's first
+                for done in range(0, len(rows), per_half):  # copy in is queued before them
                     half, turn = ring.take(), done // per_half
                     pieces = slice(bounds[turn], bounds[turn + 1])
                     count = min(per_half, len(rows) - done)
@@ -348,6 +348,8 @@ class CudaTransfer:
                             if stream is pcie:
                                 copy_engines.copy(*ends, sizes[pieces], pcie.cuda_stream)
                             else:
+                                if on_device is None:  # from pageable memory: ~0.1 ms of CPU
+                                    on_device = torch.from_numpy(rows).to(self.device, non_blocking=True)
                                 copy_rows(table, on_device[done:done + count],
                                           ring.slots(stride)[half][:count], to_slots)
                         if stream is first:
