@@ -12,26 +12,37 @@ ROW = 4096
 BUFFERS = 4
 
 
-@pytest.mark.parametrize("entries", [1, 7, 2 * INLINE_BYTES // (BUFFERS * ROW)])
+@pytest.mark.parametrize("entries", [1, 7, INLINE_BYTES // (BUFFERS * ROW) - 1,
+                                     INLINE_BYTES // (BUFFERS * ROW), 2 * INLINE_BYTES // (BUFFERS * ROW)])
 def test_gather_then_scatter_is_exact_on_either_path(entries):
     gen = torch.Generator().manual_seed(entries)
-    buffers = [torch.randint(0, 256, (2 * entries, ROW), dtype=torch.uint8, generator=gen)
+    buffers = [torch.randint(1, 256, (3 * entries, ROW), dtype=torch.uint8, generator=gen)
                for _ in range(BUFFERS)]
     offsets = [i * ROW for i in range(BUFFERS)]
-    slab = torch.zeros((entries + 3, BUFFERS * ROW), dtype=torch.uint8)
-    # slots out of order and not from 0: the copies must follow the positions
-    local = np.random.default_rng(entries).permutation(entries + 3)[:entries]
-    parts = [SlabPart(slab, local, np.arange(entries))]
-    src = np.random.default_rng(1).permutation(2 * entries)[:entries]
+    rng = np.random.default_rng(entries)
+    # two slabs, slots out of order and not from 0, the entries' positions shuffled
+    # between them: each copy must follow its part's positions
+    slabs = [torch.zeros((entries + 3, BUFFERS * ROW), dtype=torch.uint8) for _ in range(2)]
+    positions = rng.permutation(entries)
+    cut = entries // 2
+    parts = [SlabPart(slab, rng.permutation(entries + 3)[:len(at)], at)
+             for slab, at in zip(slabs, (positions[:cut], positions[cut:]))]
+    src, dst = np.split(rng.permutation(3 * entries)[:2 * entries], 2)
     transfer = CpuTransfer(threads=2)
     try:
         transfer.gather(buffers, offsets, src, parts)
         assert (transfer._pool is not None) == (entries * BUFFERS * ROW >= INLINE_BYTES)
-        for b, at in zip(buffers, offsets):
-            assert torch.equal(slab[torch.from_numpy(local), at:at + ROW], b[torch.from_numpy(src)])
-        dst = np.setdiff1d(np.arange(2 * entries), src)  # the other rows
+        for part in parts:
+            local, rows = torch.from_numpy(part.local), torch.from_numpy(src[part.positions])
+            for b, at in zip(buffers, offsets):
+                assert torch.equal(part.slab[local, at:at + ROW], b[rows])
+            untouched = np.setdiff1d(np.arange(entries + 3), part.local)
+            assert not part.slab[torch.from_numpy(untouched)].any()  # nothing else written
+        before = [b.clone() for b in buffers]
         transfer.scatter(parts, buffers, offsets, dst)
-        for b in buffers:
+        others = torch.from_numpy(np.setdiff1d(np.arange(3 * entries), dst))
+        for b, old in zip(buffers, before):
             assert torch.equal(b[torch.from_numpy(dst)], b[torch.from_numpy(src)])
+            assert torch.equal(b[others], old[others])  # rows not loaded into stay as they were
     finally:
         transfer.close()
