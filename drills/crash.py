@@ -101,9 +101,15 @@ def start_daemon(data_dir: Path, log: Path, failpoints: str) -> tuple[subprocess
                                     "127.0.0.1:0", *FLAGS],
                                    stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     deadline = time.time() + 60
-    while time.time() < deadline and process.poll() is None:
+    while time.time() < deadline:
+        # whether it ended is asked before its log is read: an armed failpoint may kill it
+        # right after it starts listening (stores arrive at once), and such a daemon did
+        # start (the caller's checks expect it to die under them)
+        ended = process.poll() is not None
         if f"listening on unix:{socket}" in log.read_bytes()[before:].decode(errors="replace"):
             return process, f"unix:{socket}"
+        if ended:
+            break
         time.sleep(0.05)
     process.kill()
     raise RuntimeError(f"the daemon did not start: {log.read_text()[-2000:]}")
