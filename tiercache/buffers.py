@@ -86,14 +86,22 @@ def _offsets(rows: tuple[torch.Tensor, ...]) -> list[int]:
     return offsets
 
 
-def row_ids(rows: Any, limit: int, what: str, unique: bool = False) -> np.ndarray:
-    """Row ids as int64, each in [0, limit); a clear error otherwise."""
+def int_ids(rows: Any, what: str) -> np.ndarray:
+    """Ids given as a list, an array or a tensor, as a flat int64 array; a clear error
+    for anything else."""
     ids = np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows)
     if ids.size == 0:
         return np.empty(0, np.int64)
     if ids.ndim != 1 or ids.dtype.kind not in "iu":
         raise InvalidArgument(f"{what} must be a flat list of integers")
-    ids = ids.astype(np.int64, copy=False)
+    return ids.astype(np.int64, copy=False)
+
+
+def row_ids(rows: Any, limit: int, what: str, unique: bool = False) -> np.ndarray:
+    """Row ids as int64, each in [0, limit); a clear error otherwise."""
+    ids = int_ids(rows, what)
+    if not ids.size:
+        return ids
     bad = ids[(ids < 0) | (ids >= limit)]
     if bad.size:
         raise InvalidArgument(f"{what} {int(bad[0])} is out of range: the buffer has {limit} rows")

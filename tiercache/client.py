@@ -35,7 +35,7 @@ import grpc
 import numpy as np
 import torch
 
-from tiercache.buffers import WorkerBuffers
+from tiercache.buffers import WorkerBuffers, int_ids
 from tiercache.channel import DEFAULT_ADDRESS, Tls, connect  # noqa: F401 (the API names both here too)
 from tiercache.cuda_ipc import OpenedEvents  # cuda-bindings only once a buffer is exported
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
@@ -174,14 +174,8 @@ def _row_array(rows: Any) -> np.ndarray:
     takes ~0.1 ms to convert, once; the engine checks them against the buffers)."""
     if isinstance(rows, range):
         return np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)
-    if isinstance(rows, torch.Tensor):
-        rows = rows.cpu().numpy()
-    ids = np.asarray(rows if isinstance(rows, (np.ndarray, list, tuple)) else list(rows))
-    if ids.size == 0:
-        return np.empty(0, np.int64)
-    if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise InvalidArgument("kv rows must be a flat list of integers")
-    return ids.astype(np.int64, copy=False)
+    given = isinstance(rows, (np.ndarray, list, tuple, torch.Tensor))
+    return int_ids(rows if given else list(rows), "kv rows")
 
 
 # -- over a daemon -----------------------------------------------------------------------
