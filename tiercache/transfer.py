@@ -297,11 +297,11 @@ class CudaTransfer:
                 self._run(table, entry_rows, addresses, to_slots, direction)
             elif table.min_width >= copy_engines.MIN_ROW_BYTES:
                 self._run(table, entry_rows, addresses, to_slots, direction, engines=True)
-            elif not self._staged(table, entry_rows, addresses, chosen, to_slots):
+            elif not self._staged(table, entry_rows, addresses, chosen, to_slots, direction):
                 self._run(table, entry_rows, addresses, to_slots, direction)
 
     def _staged(self, table: Any, rows: np.ndarray, addresses: np.ndarray,
-                parts: Sequence[SlabPart], to_slots: bool) -> bool:
+                parts: Sequence[SlabPart], to_slots: bool, direction: str) -> bool:
         """Copy through the direction's ring (the module's note) if the slots of `parts`
         (in host memory; `addresses` and `rows` are theirs, in order) lie in long runs;
         False, with nothing queued, if they do not."""
@@ -324,7 +324,6 @@ class CudaTransfer:
         sizes = (lengths * stride).astype(np.uint64)
         bounds = np.searchsorted(starts, np.arange(0, len(rows) + per_half, per_half)).tolist()
         from tiercache.kernels import copy_rows  # Triton only where there is a GPU
-        direction = "store" if to_slots else "load"
         ring = self._ring(direction)
         if ring is None:
             return False
@@ -334,8 +333,10 @@ class CudaTransfer:
         done = 0
         try:
             with ring.lock, torch.cuda.stream(kernel):
-                on_device = None  # the rows, uploaded before the first launch: a load's first
-                for done in range(0, len(rows), per_half):  # copy in is queued before them
+                # the rows, uploaded right before the first launch: a load's first copy into
+                # the ring is queued before them
+                on_device = None
+                for done in range(0, len(rows), per_half):
                     half, turn = ring.take(), done // per_half
                     pieces = slice(bounds[turn], bounds[turn + 1])
                     count = min(per_half, len(rows) - done)
