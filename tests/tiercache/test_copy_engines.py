@@ -1,13 +1,14 @@
 """Rows on the copy engines (tiercache/copy_engines.py): the addresses each row's copy
-gets (any machine) and, on a GPU, stores, loads and copies down of long rows through
-CudaTransfer, exact, while short rows and slots in device memory stay with the kernel."""
+gets and which copies join (any machine) and, on a GPU, stores, loads and copies down of
+long rows through CudaTransfer, exact, while short rows and slots in device memory stay
+with the kernel."""
 
 import numpy as np
 import pytest
 import torch
 
 from tiercache import copy_engines
-from tiercache.copy_engines import MIN_MOVE_BYTES, MIN_ROW_BYTES, row_addresses
+from tiercache.copy_engines import MIN_MOVE_BYTES, MIN_ROW_BYTES, joined, row_addresses
 from tiercache.tiers.arena import SlabPart
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -22,6 +23,21 @@ def test_each_entry_and_buffer_gets_its_row_its_place_in_the_slot_and_its_size()
                 for base, stride, width, at in table.T.tolist()]
     assert list(zip(worker.tolist(), slot.tolist(), sizes.tolist())) == expected
     assert worker.dtype == slot.dtype == sizes.dtype == np.uint64
+
+
+def test_copies_that_go_on_where_the_last_ended_on_both_sides_join_and_no_others():
+    def u(*values):
+        return np.array(values, np.uint64)
+    # 0-2: a run; 3 goes on the destination's side only, 4 goes on from 3 on both;
+    # 5 goes on the source's side only, 6 (shorter) from 5 on both
+    dsts, srcs, sizes = joined(u(100, 110, 120, 130, 140, 500, 510), u(0, 10, 20, 50, 60, 70, 80),
+                               u(10, 10, 10, 10, 10, 10, 5))
+    assert list(zip(dsts.tolist(), srcs.tolist(), sizes.tolist())) == [(100, 0, 30), (130, 50, 20),
+                                                                        (500, 70, 15)]
+    apart = u(300, 100, 200), u(0, 100, 200), u(10, 10, 10)  # in reverse order: none go on
+    assert all(np.array_equal(a, b) for a, b in zip(joined(*apart), apart))
+    one = u(5), u(6), u(7)
+    assert all(np.array_equal(a, b) for a, b in zip(joined(*one), one))
 
 
 def test_without_a_driver_that_has_them_the_copy_says_what_is_missing(monkeypatch):
@@ -110,6 +126,25 @@ def test_long_entries_go_down_from_device_slots_to_host_slots_on_the_engines(eng
     transfer.fence("move").synchronize()
     assert torch.equal(host[2].cuda(), device_slab[0]) and torch.equal(host[3].cuda(), device_slab[2])
     assert torch.all(host[[0, 1]] == 0xA5)
+    assert engine_calls == [2]
+    transfer.close()
+    memory.release(host)
+
+
+@gpu
+def test_a_copy_down_of_slots_in_order_is_a_copy_per_run(engine_calls):
+    from tiercache.transfer import CudaTransfer
+    width = MIN_MOVE_BYTES + 1024
+    device_slab = random_rows(6, width, 6)
+    memory, host = host_slab(8, width)
+    transfer = CudaTransfer.open(torch.device("cuda"))
+    targets = np.array([3, 4, 5, 7])  # device slots 0-2 to host slots 3-5: one run; 4 to 7
+    addresses = host.data_ptr() + targets.astype(np.int64) * host.stride(0)
+    transfer.copy_entries([SlabPart(device_slab, np.array([0, 1, 2, 4]), np.arange(4))], addresses)
+    transfer.fence("move").synchronize()
+    for source, target in zip((0, 1, 2, 4), targets.tolist()):
+        assert torch.equal(host[target].cuda(), device_slab[source])
+    assert torch.all(host[[0, 1, 2, 6]] == 0xA5)
     assert engine_calls == [2]
     transfer.close()
     memory.release(host)

@@ -23,9 +23,9 @@ PAGES = 8
 PROMPT = PAGES * LAYOUT.page_bytes + LAYOUT.checkpoint_bytes
 
 
-def engine_with_a_device_tier(tmp_path, writes: str) -> Engine:
+def engine_with_a_device_tier(tmp_path, writes: str, host_slab: int = PROMPT) -> Engine:
     engine = Engine.open(EngineConfig(
-        host=HostConfig(budget_bytes=3 * PROMPT, pin=False),
+        host=HostConfig(budget_bytes=3 * PROMPT, slab_bytes=host_slab, pin=False),
         disk=DiskConfig(str(tmp_path), map_size=1 << 26, sync=False),
         policy=PolicyConfig(writes=WriteConfig(host=writes))))
     engine.books.attach_device(SlotArena(2 * PROMPT, PROMPT // 2, DeviceMemory(torch.device("cpu"), ())))
@@ -34,8 +34,10 @@ def engine_with_a_device_tier(tmp_path, writes: str) -> Engine:
 
 
 @pytest.mark.parametrize("writes", ["back", "through"])
-def test_prompts_go_down_the_tiers_and_come_back_exact(tmp_path, writes):
-    engine = engine_with_a_device_tier(tmp_path, writes)
+@pytest.mark.parametrize("host_slab", [PROMPT, PROMPT // 5], ids=["host-slab-per-prompt", "small-host-slabs"])
+def test_prompts_go_down_the_tiers_and_come_back_exact(tmp_path, writes, host_slab):
+    # small host slabs: a prompt's copy down spans several (copied a slab at a time)
+    engine = engine_with_a_device_tier(tmp_path, writes, host_slab)
     source = random_buffers(LAYOUT, seed=1)
     prompts = [prompt_keys(LAYOUT, seed=n, pages=PAGES) for n in range(6)]
     # six prompts through a device tier for two and a host tier for three
