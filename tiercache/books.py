@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tiercache.arrays import distinct
 from tiercache.counters import Counters, EvictReason
 from tiercache.errors import FailedPrecondition
 from tiercache.hashing import PageKey, key_list
@@ -150,7 +151,7 @@ class Books:
         """The rows of pages and checkpoints under `keys`."""
         with self.lock:
             found = np.concatenate([self.index.rows_of(kind, keys) for kind in Kind])
-            return np.unique(found[found >= 0])
+            return distinct(found[found >= 0])
 
     def index_rows(self, tier: Tier) -> np.ndarray:
         with self.lock:
@@ -380,7 +381,7 @@ class Books:
         with self.lock:
             self.check_open()
             if rows is None:
-                rows = np.unique(np.concatenate([self.index.rows_in(t) for t in tiers]))
+                rows = distinct(np.concatenate([self.index.rows_in(t) for t in tiers]))
             rows = rows[self.index.column("pins", rows) == 0]
             dropped = np.zeros(len(rows), bool)
             for tier in tiers:
@@ -432,7 +433,7 @@ class Books:
     # -- device -> host -------------------------------------------------------------------
     def begin_copy_down(self, rows: np.ndarray) -> DownBatch | None:
         with self.lock:
-            rows = np.unique(rows)
+            rows = distinct(rows)
             rows = rows[self.index.in_tier(rows, Tier.DEVICE) & self.room.must_move(rows, Tier.DEVICE)]
             return self.room.begin_copy_down(rows, Displaced())
 

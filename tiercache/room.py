@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tiercache.arrays import distinct
 from tiercache.counters import Counters, EvictReason
 from tiercache.hashing import PageKey, key_list
 from tiercache.index import Index
@@ -163,7 +164,7 @@ class Room:
         if tier in (Tier.HOST, Tier.DEVICE):
             arena = self.arena(tier)
             slots, sizes = self.index.slots(rows, tier), self.index.column("nbytes", rows)
-            for size in np.unique(sizes).tolist():
+            for size in distinct(sizes).tolist():
                 arena.free(size, slots[sizes == size].tolist())
         elif tier == Tier.DISK:
             kinds, sizes = self.index.column("kind", rows).tolist(), self.index.column("nbytes", rows)
@@ -176,7 +177,7 @@ class Room:
     def begin_write(self, rows: np.ndarray, limit: int, displaced: Displaced) -> DiskBatch | None:
         assert self.disk is not None
         index = self.index
-        rows = np.unique(rows)
+        rows = distinct(rows)
         rows = rows[index.in_tier(rows, Tier.HOST) & ~index.in_tier(rows, Tier.DISK)
                     & ~np.isin(rows, list(self.writing))]  # one batch writes a row
         if self.deleting:  # a key whose old record is being deleted waits for that
@@ -231,13 +232,14 @@ class Room:
     def begin_copy_down(self, rows: np.ndarray, displaced: Displaced) -> DownBatch | None:
         """Pin device entries and reserve host slots for them, evicting only host entries
         that need no move (a copy down never waits on disk writes)."""
-        rows = rows[np.array([r not in self.copying_down for r in rows.tolist()], bool)]  # one copy each
+        if self.copying_down:  # one copy each (usually none is under way)
+            rows = rows[np.array([r not in self.copying_down for r in rows.tolist()], bool)]
         if not len(rows):
             return None
         self.copying_down.update(rows.tolist())
         self.index.pin(rows)  # pinned while read, and no candidate for the evictions below
         placed, sizes = [], self.index.column("nbytes", rows)
-        for size in np.unique(sizes).tolist():
+        for size in distinct(sizes).tolist():
             group = rows[sizes == size]
             slots = self.reserve(size, len(group), Tier.HOST, displaced, clean_only=True)
             group = group[:len(slots)]
