@@ -40,6 +40,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
     anything else is logged and answered INTERNAL without internals."""
 
     def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        # once per method (observe.PerMethod): the work of each call is in the handler
         handler = continuation(details)
         if handler is None:
             return None

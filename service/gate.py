@@ -111,6 +111,7 @@ class CallGate(grpc.ServerInterceptor):
         self._watchdog = _Watchdog()
 
     def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        # once per method (observe.PerMethod): the work of each call is in the handler
         handler = continuation(details)
         if handler is None or details.method.startswith(_OPEN_METHODS):
             return handler

@@ -36,7 +36,7 @@ from tiercache_service.handover import Handover, handover_path
 from tiercache_service.logs import redacted
 from tiercache_service.lookups import Lookups
 from tiercache_service.metrics import registry_for
-from tiercache_service.observe import ObservingInterceptor
+from tiercache_service.observe import ObservingInterceptor, PerMethod
 from tiercache_service.servicer import TiercacheServicer
 from tiercache_service.workers import Limits, WorkerRegistry
 from tiercache import __version__, failpoints, tenancy
@@ -132,8 +132,9 @@ def start(config: ServiceConfig) -> Daemon:
     threads = config.max_concurrent_rpcs + config.max_workers + HEALTH_CALLS + 16
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiercache-rpc"),
-        # outermost first: every call is observed, then gated, then its errors mapped
-        interceptors=[ObservingInterceptor(call_metrics), gate, ErrorInterceptor()],
+        # outermost first: every call is observed, then gated, then its errors mapped; the
+        # handler they make of a method is built once (PerMethod)
+        interceptors=[PerMethod(), ObservingInterceptor(call_metrics), gate, ErrorInterceptor()],
         options=[("grpc.max_receive_message_length", config.max_message_bytes),
                  ("grpc.max_send_message_length", config.max_message_bytes),
                  ("grpc.so_reuseport", 0),
