@@ -6,6 +6,8 @@ real GPU in tests/gpu/test_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -23,9 +25,10 @@ PAGES = 8
 PROMPT = PAGES * LAYOUT.page_bytes + LAYOUT.checkpoint_bytes
 
 
-def engine_with_a_device_tier(tmp_path, writes: str, host_slab: int = PROMPT) -> Engine:
+def engine_with_a_device_tier(tmp_path, writes: str, host_slab: int | None = None) -> Engine:
+    host = HostConfig(budget_bytes=3 * PROMPT, pin=False)
     engine = Engine.open(EngineConfig(
-        host=HostConfig(budget_bytes=3 * PROMPT, slab_bytes=host_slab, pin=False),
+        host=host if host_slab is None else dataclasses.replace(host, slab_bytes=host_slab),
         disk=DiskConfig(str(tmp_path), map_size=1 << 26, sync=False),
         policy=PolicyConfig(writes=WriteConfig(host=writes))))
     engine.books.attach_device(SlotArena(2 * PROMPT, PROMPT // 2, DeviceMemory(torch.device("cpu"), ())))
@@ -34,7 +37,7 @@ def engine_with_a_device_tier(tmp_path, writes: str, host_slab: int = PROMPT) ->
 
 
 @pytest.mark.parametrize("writes", ["back", "through"])
-@pytest.mark.parametrize("host_slab", [PROMPT, PROMPT // 5], ids=["host-slab-per-prompt", "small-host-slabs"])
+@pytest.mark.parametrize("host_slab", [None, PROMPT // 5], ids=["default-host-slabs", "small-host-slabs"])
 def test_prompts_go_down_the_tiers_and_come_back_exact(tmp_path, writes, host_slab):
     # small host slabs: a prompt's copy down spans several (copied a slab at a time)
     engine = engine_with_a_device_tier(tmp_path, writes, host_slab)
