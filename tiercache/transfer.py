@@ -397,12 +397,8 @@ class CudaTransfer:
         if engines and self._engines:
             worker, slots, sizes = copy_engines.row_addresses(table.host, rows, addresses)
             dst, src = (slots, worker) if to_slots else (worker, slots)
-            try:
-                with trace.gpu(direction, stream):
-                    copy_engines.copy(dst, src, sizes, stream.cuda_stream)
+            if self._on_engines(dst, src, sizes, direction):
                 return
-            except copy_engines.CopyEngineError as error:  # the kernel copies the same rows
-                self._engines_refused(error)
         meta = np.empty((2, len(rows)), np.int64)
         meta[0], meta[1] = rows, addresses
         with torch.cuda.stream(stream), trace.gpu(direction, stream):
@@ -411,6 +407,20 @@ class CudaTransfer:
             # the last one was still in use by a copy in flight)
             on_device = torch.from_numpy(meta).to(self.device, non_blocking=True)
             copy_rows(table, on_device[0], on_device[1], to_slots)  # on the current stream
+
+    def _on_engines(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+                    direction: str) -> bool:
+        """Queue the copies on the copy engines on the direction's stream; False, with
+        nothing queued, if the driver refused them (then the caller's kernel copies them,
+        and every copy after them goes by the kernel)."""
+        stream = self._streams[direction]
+        try:
+            with trace.gpu(direction, stream):
+                copy_engines.copy(dsts, srcs, sizes, stream.cuda_stream)
+            return True
+        except copy_engines.CopyEngineError as error:
+            self._engines_refused(error)
+            return False
 
     def gather(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
                rows: np.ndarray, parts: Sequence[SlabPart]) -> None:
@@ -427,25 +437,20 @@ class CudaTransfer:
         another on both sides as one copy; shorter ones by one launch per slab, the slab
         seen as a buffer whose rows are its slots."""
         from tiercache.kernels import BufferTable
-        move = self._streams["move"]
         for part in parts:
             width = part.slab.shape[1]
             if self._engines and width >= copy_engines.MIN_MOVE_BYTES:
                 copies = copy_engines.joined(addresses[part.positions].astype(np.uint64),
                                              part.addresses().astype(np.uint64),
                                              np.full(len(part.local), width, np.uint64))
-                try:
-                    with trace.gpu("move", move):
-                        copy_engines.copy(*copies, move.cuda_stream)
+                if self._on_engines(*copies, "move"):
                     continue
-                except copy_engines.CopyEngineError as error:  # the kernel copies them
-                    self._engines_refused(error)
             # a table per slab and call: slabs come and go, and a cached one would keep a
             # released slab alive (or, keyed by address, mistake a new one). It is made on
             # the stream that reads it: freed after this call, its memory is reused only by
             # work queued behind the launch (made on another stream, the next table
             # overwrote it under the running kernel: illegal addresses on the H100)
-            with torch.cuda.stream(move):
+            with torch.cuda.stream(self._streams["move"]):
                 table = BufferTable.of((part.slab,), [0], self.device)
             self._run(table, part.local, addresses[part.positions], True, "move")
 
