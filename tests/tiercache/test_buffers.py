@@ -46,3 +46,12 @@ def test_rows_out_of_range_are_named_from_a_list_as_from_an_array():
         with pytest.raises(InvalidArgument, match=f"kv rows {rows[1]} is out of range"):
             row_ids(np.array(rows), 64, "kv rows")
     assert np.array_equal(row_ids(torch.tensor([1, 2]), 4, "kv rows"), [1, 2])
+
+
+def test_a_list_of_ints_takes_the_fast_path(monkeypatch):
+    def refused(*args, **kwargs):
+        raise AssertionError("np.asarray called for a list of ints")
+    monkeypatch.setattr(np, "asarray", refused)
+    assert np.array_equal(int_ids([4, 0, 7], "kv rows"), np.array([4, 0, 7]))
+    with pytest.raises(AssertionError):  # and anything else goes the general way
+        int_ids([4, -1], "kv rows")
