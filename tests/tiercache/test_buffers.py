@@ -11,16 +11,6 @@ from tiercache.buffers import int_ids, row_ids
 from tiercache.errors import InvalidArgument
 
 
-def general(rows):
-    """int_ids without the fast path: what it must agree with."""
-    ids = np.asarray(rows)
-    if ids.size == 0:
-        return np.empty(0, np.int64)
-    if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise InvalidArgument("kv rows must be a flat list of integers")
-    return ids.astype(np.int64, copy=False)
-
-
 @pytest.mark.parametrize("rows", [
     [0], [5, 3, 9], list(range(5461)), (7, 1, 2), [2**32 - 1, 0], [np.int64(4), 5],
     [1, True, 2],  # a bool after an int is 1, as np.asarray makes it
@@ -28,12 +18,12 @@ def general(rows):
     [True, False], [None], [1, None], [], (),
 ])
 def test_a_list_gives_what_the_general_path_gives(rows):
-    try:
-        expected = general(rows)
+    try:  # an array never takes the fast path: the general path's answer for the same ids
+        expected = int_ids(np.asarray(rows), "kv rows")
     except InvalidArgument as error:
+        assert "flat list of integers" in str(error)
         with pytest.raises(InvalidArgument, match="flat list of integers"):
             int_ids(rows, "kv rows")
-        assert "flat list" in str(error)
         return
     got = int_ids(rows, "kv rows")
     assert got.dtype == np.int64 and np.array_equal(got, expected)
