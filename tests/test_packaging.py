@@ -38,16 +38,18 @@ def test_the_wheel_installs_tiercache_and_tiercache_service_and_runs_from_there(
         "tiercache", "tiercache_service"}
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE")
                for n in names)
+    assert any(n.startswith("tiercache/_keymap.") and n.endswith(".so") for n in names)  # C, built
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "tiercache = tiercache_service.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
     # installed apart from the tree, the command's module runs from there
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                     str(site), str(wheel)], check=True, timeout=300)
-    script = ("import tiercache_service.cli as cli, sys; print(cli.__file__); "
-              "sys.exit(cli.main(['--version']))")
+    script = ("import tiercache_service.cli as cli, tiercache.keymap as km, sys; "
+              "print(cli.__file__); print(km._keymap.__file__); sys.exit(cli.main(['--version']))")
     ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(site)})
     assert ran.returncode == 0, ran.stderr
-    where, version = ran.stdout.splitlines()
-    assert Path(where).is_relative_to(site) and version.startswith("tiercache ")
+    where, native, version = ran.stdout.splitlines()
+    assert Path(where).is_relative_to(site) and Path(native).is_relative_to(site)
+    assert version.startswith("tiercache ")

@@ -3,20 +3,24 @@
 Keys are xxh3/blake2b digests, uniformly spread, so their low 64 bits are the hash.
 Open addressing with linear probing over one (capacity, 3) uint64 table of (lo, hi,
 row + 2) records, so a probe costs one cache miss; 0 in the last field marks an empty
-slot and 1 a deleted one (a tombstone, cleared by the next rehash). A lookup of the 2048 keys of a 32k-token prompt is a few
-dozen numpy operations instead of 2048 Python dict lookups, and an entry costs about
-40 bytes instead of a dict slot plus a bytes object.
+slot and 1 a deleted one (a tombstone, cleared by the next rehash). The probing loops are
+C (tiercache/_keymap.c, built when the package is installed): a lookup of the 2,048 keys
+of a 32k-token prompt takes a few microseconds, a tenth of what numpy's per-call costs
+made of it. This module owns the table, its size and its accounting. An entry costs
+about 40 bytes instead of a dict slot plus a bytes object.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-EMPTY = 0
-GONE = 1  # a tombstone: probing goes on past it, inserting may reuse it
-_BASE = 2  # a live record stores row + 2
-_MARK = np.uint64(1 << 63)  # a free slot an insert round is assigning (never seen outside it)
-_TAIL = 48  # keys still probing when this few are left are probed one by one
+try:
+    from tiercache import _keymap
+except ImportError as error:  # a source tree nobody built
+    raise ImportError("tiercache._keymap (C) is not built: install the package (pip install -e .) "
+                      "or build it in place (python setup.py build_ext --inplace)") from error
+
+_BASE = 2  # a live record stores row + 2; 0 is an empty slot, 1 a tombstone
 _MIN_CAPACITY = 1024
 
 
@@ -28,9 +32,11 @@ class DuplicateKey(ValueError):
         self.position = position
 
 
-def split(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(lo, hi) uint64 halves of keys given as a uint64 array of shape (n, 2)."""
-    return keys[:, 0], keys[:, 1]
+def _contiguous(keys: np.ndarray) -> np.ndarray:
+    """Keys as the C loops read them: a C-contiguous uint64 (n, 2) array."""
+    if keys.ndim != 2 or keys.shape[1] != 2 or keys.dtype != np.uint64:
+        raise ValueError(f"keys are a uint64 (n, 2) array, got {keys.dtype} {keys.shape}")
+    return np.ascontiguousarray(keys)
 
 
 class KeyMap:
@@ -55,39 +61,15 @@ class KeyMap:
         return self._find(keys)[1]
 
     def get(self, key: np.ndarray) -> int:
-        """The row of one key (a uint64 pair), or -1: without numpy's per-call overhead."""
+        """The row of one key (a uint64 pair), or -1."""
         lo, hi = key.tolist()
-        return self._probe(lo, hi, lo & self._mask)[1]
+        return _keymap.get(self._table, self._mask, lo, hi)
 
     def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(table slot, row) of each key; both -1 where it is absent."""
-        lo, hi = split(keys)
-        at = (lo & np.uint64(self._mask)).astype(np.int64)
-        records = np.take(self._table, at, axis=0)  # one gather: numpy's fastest
-        hit = (records[:, 0] == lo) & (records[:, 1] == hi) & (records[:, 2] >= _BASE)
-        slots = np.where(hit, at, -1)
-        rows = np.where(hit, records[:, 2].astype(np.int64) - _BASE, -1)
-        pending = np.flatnonzero(~hit & (records[:, 2] != EMPTY))  # an empty slot: absent
-        at = (at[pending] + 1) & self._mask
-        while len(pending) > _TAIL:  # most keys end after a probe or two
-            records = np.take(self._table, at, axis=0)
-            hit = (records[:, 0] == lo[pending]) & (records[:, 1] == hi[pending]) & (records[:, 2] >= _BASE)
-            slots[pending[hit]] = at[hit]
-            rows[pending[hit]] = records[hit, 2].astype(np.int64) - _BASE
-            going = ~hit & (records[:, 2] != EMPTY)
-            pending, at = pending[going], (at[going] + 1) & self._mask
-        for key, start in zip(pending.tolist(), at.tolist()):  # the few long probes, one by one
-            slots[key], rows[key] = self._probe(int(lo[key]), int(hi[key]), start)
+        slots, rows = np.empty(len(keys), np.int64), np.empty(len(keys), np.int64)
+        _keymap.find(self._table, self._mask, _contiguous(keys), slots, rows)
         return slots, rows
-
-    def _probe(self, lo: int, hi: int, at: int) -> tuple[int, int]:
-        while True:
-            record_lo, record_hi, row = self._table[at].tolist()
-            if row >= _BASE and record_lo == lo and record_hi == hi:
-                return at, row - _BASE
-            if row == EMPTY:
-                return -1, -1
-            at = (at + 1) & self._mask
 
     def insert(self, keys: np.ndarray, rows: np.ndarray, looked_up: bool = False) -> None:
         """Add keys, each mapping to its row. Every key must be absent and distinct: a key
@@ -95,93 +77,26 @@ class KeyMap:
         it was (two records of one key would let one of them outlive its row).
         `looked_up`: the caller found every key absent, with no change to the map since;
         then only repeats within the batch are looked for."""
-        present = np.flatnonzero(self._find(keys)[0] >= 0) if not looked_up else ()
-        if len(present):
-            raise DuplicateKey(int(present[0]), "is in the map already")
+        keys = _contiguous(keys)
+        rows = np.ascontiguousarray(rows, np.int64)
+        if len(rows) != len(keys):
+            raise ValueError(f"{len(keys)} keys with {len(rows)} rows")
+        if len(keys) and rows.min() < 0:
+            raise ValueError("rows are >= 0")
         self._make_room(len(keys))
-        lo, hi = split(keys)
-        rows = np.asarray(rows, np.int64)
-        pending = np.arange(len(keys))
-        at = (lo & np.uint64(self._mask)).astype(np.int64)
-        written: list[tuple[np.ndarray, np.ndarray]] = []  # (slots, what they held), to undo
-        # the table's columns as views: fancy indexing one is about twice as fast
-        key_lo, key_hi, state = self._table[:, 0], self._table[:, 1], self._table[:, 2]
-        while pending.size:
-            free = np.flatnonzero(state[at] < _BASE)
-            # several keys may reach the same free slot: each marks it, and the mark that
-            # stays takes it (no sort); marked in reverse, so the earliest key wins
-            slots = at[free]
-            held = state[slots]
-            marks = _MARK | free.astype(np.uint64)
-            state[slots[::-1]] = marks[::-1]
-            won = state[slots] == marks
-            winners, taken = pending[free[won]], slots[won]
-            written.append((taken, held[won]))
-            self._tombstones -= int(np.count_nonzero(held[won] == GONE))
-            key_lo[taken], key_hi[taken] = lo[winners], hi[winners]
-            state[taken] = rows[winners] + _BASE
-            going = np.ones(len(pending), bool)
-            going[free[won]] = False
-            pending, at = pending[going], at[going]
-            # a key that lost its slot to the same key is a repeat within the batch
-            repeat = (key_lo[at] == lo[pending]) & (key_hi[at] == hi[pending])
-            if repeat.any():
-                self._undo(written)
-                raise DuplicateKey(int(pending[repeat][0]), "repeats an earlier key of the batch")
-            at = (at + 1) & self._mask
-            if len(pending) <= _TAIL:  # the few long probes, one by one
-                self._insert_each(pending, at, lo, hi, rows, written)
-                break
+        position, why, taken = _keymap.insert(self._table, self._mask, keys, rows, looked_up)
+        if position >= 0:
+            raise DuplicateKey(position, "is in the map already" if why == 1
+                               else "repeats an earlier key of the batch")
+        self._tombstones -= taken
         self.count += len(keys)
 
-    def _insert_each(self, pending: np.ndarray, at: np.ndarray, lo: np.ndarray, hi: np.ndarray,
-                     rows: np.ndarray, written: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Place the keys still probing, each from its `at`, without numpy's per-call cost."""
-        table, mask = self._table, self._mask
-        taken: list[int] = []
-        held_before: list[int] = []
-        for key, key_lo, key_hi, row, slot in zip(pending.tolist(), lo[pending].tolist(),
-                                                  hi[pending].tolist(), rows[pending].tolist(),
-                                                  at.tolist()):
-            while True:
-                record_lo, record_hi, held = table[slot].tolist()
-                if held < _BASE:
-                    break
-                if record_lo == key_lo and record_hi == key_hi:
-                    written.append((np.array(taken, np.int64), np.array(held_before, np.uint64)))
-                    self._undo(written)
-                    raise DuplicateKey(key, "repeats an earlier key of the batch")
-                slot = (slot + 1) & mask
-            taken.append(slot)
-            held_before.append(held)
-            self._tombstones -= held == GONE
-            table[slot] = (key_lo, key_hi, row + _BASE)
-        written.append((np.array(taken, np.int64), np.array(held_before, np.uint64)))
-
-    def _undo(self, written: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Give slots written by an insert back what they held (empty or a tombstone)."""
-        for slots, held in reversed(written):
-            self._table[slots, 2] = held
-            self._tombstones += int(np.count_nonzero(held == GONE))
-
     def delete(self, keys: np.ndarray) -> None:
-        """Remove keys that are present."""
+        """Remove keys that are present (each once)."""
         slots = self._find(keys)[0]
         assert np.all(slots >= 0), "delete of an absent key"
-        table = self._table
-        table[slots, 2] = GONE
-        self._tombstones += len(keys)
+        self._tombstones += len(keys) - _keymap.delete(self._table, self._mask, slots)
         self.count -= len(keys)
-        # a tombstone right before an empty slot ends every probe that reaches it as the
-        # empty slot would: it becomes empty, and so, in turn, do the tombstones before it
-        # (then later probes stop sooner; after evict-and-store cycles, at their home slot)
-        gone = slots
-        while len(gone):
-            ends = gone[table[(gone + 1) & self._mask, 2] == EMPTY]
-            table[ends, 2] = EMPTY
-            self._tombstones -= len(ends)
-            before = (ends - 1) & self._mask
-            gone = before[table[before, 2] == GONE]
 
     def _make_room(self, extra: int) -> None:
         """Keep the table at most half full (tombstones count), rehashing when needed."""
@@ -193,4 +108,4 @@ class KeyMap:
         self._allocate(wanted)
         self.count = self._tombstones = 0
         if len(live):
-            self.insert(keys, rows)
+            self.insert(keys, rows, looked_up=True)

@@ -159,6 +159,7 @@ def test_the_images_run_the_daemon_with_flags_it_has_and_expose_its_ports(name):
     torch = re.search(r"^TORCH \?= (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert any(f'pip install "{torch}"' in run for run in image["RUN"])
     assert {c.split()[0] for c in image["COPY"]} >= {"pyproject.toml", "tiercache", "service"}
+    assert "setup.py" in " ".join(image["COPY"])  # it builds the C module
     assert any(run.startswith("pip install .") for run in image["RUN"])
 
 

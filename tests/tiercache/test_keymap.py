@@ -65,8 +65,8 @@ def test_an_insert_with_a_repeated_or_present_key_is_refused_and_undone():
 
 
 def test_a_repeat_among_long_probes_is_refused_and_undone():
-    """Keys still probing after a few rounds are placed one by one: a repeat among them is
-    found there too, and every slot the batch took is given back."""
+    """A repeat at the end of a long probe (120 keys of one slot) is found, and every
+    slot the batch took is given back."""
     import pytest
     from tiercache.keymap import DuplicateKey
     keys = np.array([[5 + 1024 * i, i] for i in range(120)], np.uint64)  # all hash to slot 5
@@ -78,3 +78,64 @@ def test_a_repeat_among_long_probes_is_refused_and_undone():
     assert list(keymap.lookup(keys)) == [0] + [-1] * 119 and len(keymap) == 1
     keymap.insert(keys[1:], np.arange(1, 120))
     assert list(keymap.lookup(keys)) == list(range(120))
+
+
+def test_clustered_keys_follow_a_dict_across_the_tables_end():
+    """Keys crowded onto a few slots next to the table's last one: probes run long and
+    wrap around to slot 0; inserts reuse tombstones, deletes clear them behind them."""
+    rng = np.random.default_rng(1)
+    keymap, model = KeyMap(), {}
+    homes = np.array([1021, 1022, 1023, 0, 3], np.uint64)  # a 1,024-slot table's last slots
+    pool = np.stack([homes[np.arange(300) % 5] + np.uint64(1024) * rng.integers(0, 2**40, 300, dtype=np.uint64),
+                     np.arange(300, dtype=np.uint64)], axis=1)
+    for step in range(40):
+        absent = [i for i in rng.permutation(len(pool))[:40] if i not in model][:25]
+        rows = rng.integers(0, 2**40, len(absent))
+        keymap.insert(pool[absent], rows)
+        model.update(zip(absent, rows.tolist()))
+        gone = [i for i in model if rng.random() < 0.3]
+        keymap.delete(pool[gone])
+        for i in gone:
+            del model[i]
+        expected = [model.get(i, -1) for i in range(len(pool))]
+        assert keymap.lookup(pool).tolist() == expected, f"step {step}"
+        assert [keymap.get(key) for key in pool[:20]] == expected[:20]
+        assert len(keymap) == len(model)
+
+
+def test_keys_are_a_uint64_pair_array_and_other_views_of_them_are_read_right():
+    keys = np.arange(40, dtype=np.uint64).reshape(10, 4)
+    keymap = KeyMap()
+    keymap.insert(keys[:, ::2], np.arange(10))  # not contiguous: read as the values it shows
+    assert keymap.lookup(np.ascontiguousarray(keys[:, ::2])).tolist() == list(range(10))
+    assert keymap.lookup(keys[:, 1::2]).tolist() == [-1] * 10
+    import pytest
+    with pytest.raises(ValueError, match="uint64 \\(n, 2\\)"):
+        keymap.lookup(keys.astype(np.int64)[:, :2])
+    with pytest.raises(ValueError, match="rows are >= 0"):
+        keymap.insert(keys[:1, 1:3], np.array([-1]))
+    with pytest.raises(ValueError, match="1 keys with 2 rows"):
+        keymap.insert(keys[:1, 1:3], np.array([1, 2]))
+    assert len(keymap) == 10
+
+
+def test_the_c_loops_refuse_buffers_of_the_wrong_size_and_slots_without_a_record():
+    import pytest
+    from tiercache import _keymap
+    table = np.zeros((1024, 3), np.uint64)
+    keys = np.array([[5, 6]], np.uint64)
+    out = np.empty(1, np.int64)
+    with pytest.raises(ValueError, match="mask must be a power of two less one"):
+        _keymap.find(table, 1000, keys, out, out)
+    with pytest.raises(ValueError, match="table holds 24576 bytes, expected 49152"):
+        _keymap.find(table, 2047, keys, out, out)
+    with pytest.raises(ValueError, match="slots holds 16 bytes, expected 8"):
+        _keymap.find(table, 1023, keys, np.empty(2, np.int64), out)
+    with pytest.raises(TypeError):
+        _keymap.insert(table.copy(order="F"), 1023, keys, np.zeros(1, np.int64), False)
+    assert _keymap.insert(table, 1023, keys, np.array([9], np.int64), False) == (-1, 0, 0)
+    with pytest.raises(ValueError, match="slot 6 holds no record"):
+        _keymap.delete(table, 1023, np.array([5, 6], np.int64))
+    assert table[5].tolist() == [5, 6, 11]  # the refused delete changed nothing
+    assert _keymap.delete(table, 1023, np.array([5], np.int64)) == 1  # its tombstone cleared
+    assert table[5, 2] == 0
