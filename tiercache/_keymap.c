@@ -1,10 +1,15 @@
-/* The probing loops of tiercache/keymap.py, which owns the table and its accounting.
+/* Hash tables of 128-bit keys: the probing loops of tiercache/keymap.py (which owns the
+   table and its accounting), and the repeat check of a request's keys (hashing.py).
 
    The table is a C-contiguous (capacity, 3) uint64 array of (lo, hi, state) records,
    capacity a power of two, `mask` = capacity - 1; state 0 is an empty slot, 1 a
-   tombstone, row + 2 a live record. A key's first slot is its low half & mask, then
-   linear probing. Every function works on a whole batch with the GIL held: a 32k-token
-   prompt's 2,048 keys take a few microseconds, less than releasing and taking it back. */
+   tombstone, row + 2 a live record; linear probing. A key's first slot is not its low
+   bits: keys come from clients, and a tenant could send keys that share them to make
+   every probe long. It is the top bits of lo * a + hi * b (multiply-shift hashing) with
+   odd salts a, b the caller draws at random and keeps for the table's life: keys that
+   collide under one pair of salts are unlikely to under another. Every function works on
+   a whole batch with the GIL held: a 32k-token prompt's 2,048 keys take a few
+   microseconds, less than releasing and taking it back. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -12,9 +17,30 @@
 
 enum { EMPTY = 0, GONE = 1, BASE = 2 };
 
+typedef struct {
+    uint64_t mask, a, b;
+    int shift;
+} Hash;
+
+static int hash_of(Hash *hash, unsigned long long mask, unsigned long long a, unsigned long long b) {
+    if (mask == 0 || (mask & (mask + 1)) != 0)
+        return PyErr_SetString(PyExc_ValueError, "mask must be a power of two less one"), -1;
+    if (!(a & 1) || !(b & 1))
+        return PyErr_SetString(PyExc_ValueError, "salts must be odd"), -1;
+    hash->mask = mask, hash->a = a, hash->b = b;
+    hash->shift = 64 - __builtin_popcountll(mask);
+    return 0;
+}
+
+/* A key's first slot. */
+static inline uint64_t home(const Hash *hash, uint64_t lo, uint64_t hi) {
+    return (lo * hash->a + hi * hash->b) >> hash->shift & hash->mask;
+}
+
 /* The slot holding (lo, hi), or -1. */
-static int64_t slot_of(const uint64_t *table, uint64_t mask, uint64_t lo, uint64_t hi) {
-    for (uint64_t at = lo & mask;; at = (at + 1) & mask) {
+static int64_t slot_of(const uint64_t *table, const Hash *hash, uint64_t lo, uint64_t hi) {
+    uint64_t mask = hash->mask;
+    for (uint64_t at = home(hash, lo, hi);; at = (at + 1) & mask) {
         const uint64_t *record = table + 3 * at;
         if (record[2] == EMPTY)
             return -1;
@@ -34,29 +60,31 @@ static int check(const Py_buffer *buffer, Py_ssize_t count, Py_ssize_t size, con
     return 0;
 }
 
-static int check_table(const Py_buffer *table, uint64_t mask) {
-    if (mask == 0 || (mask & (mask + 1)) != 0)
-        return PyErr_SetString(PyExc_ValueError, "mask must be a power of two less one"), -1;
+static int check_table(const Py_buffer *table, Hash *hash, unsigned long long mask,
+                       unsigned long long a, unsigned long long b) {
+    if (hash_of(hash, mask, a, b) != 0)
+        return -1;
     return check(table, (Py_ssize_t)(mask + 1), 24, "table");
 }
 
-PyDoc_STRVAR(find_doc, "find(table, mask, keys, slots, rows): for each (lo, hi) key of the "
+PyDoc_STRVAR(find_doc, "find(table, mask, a, b, keys, slots, rows): for each (lo, hi) key of the "
              "uint64 (n, 2) array keys, its slot and row into the int64 arrays slots and rows "
              "(-1 and -1 where it is absent).");
 
 static PyObject *find(PyObject *self, PyObject *args) {
     Py_buffer table, keys, slots, rows;
-    unsigned long long mask;
-    if (!PyArg_ParseTuple(args, "y*Ky*w*w*", &table, &mask, &keys, &slots, &rows))
+    unsigned long long mask, a, b;
+    Hash hash;
+    if (!PyArg_ParseTuple(args, "y*KKKy*w*w*", &table, &mask, &a, &b, &keys, &slots, &rows))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = keys.len / 16;
-    if (check_table(&table, mask) == 0 && check(&keys, n, 16, "keys") == 0 &&
+    if (check_table(&table, &hash, mask, a, b) == 0 && check(&keys, n, 16, "keys") == 0 &&
         check(&slots, n, 8, "slots") == 0 && check(&rows, n, 8, "rows") == 0) {
         const uint64_t *t = table.buf, *k = keys.buf;
         int64_t *s = slots.buf, *r = rows.buf;
         for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t at = slot_of(t, mask, k[2 * i], k[2 * i + 1]);
+            int64_t at = slot_of(t, &hash, k[2 * i], k[2 * i + 1]);
             s[i] = at;
             r[i] = at < 0 ? -1 : (int64_t)t[3 * at + 2] - BASE;
         }
@@ -67,24 +95,25 @@ static PyObject *find(PyObject *self, PyObject *args) {
     return result;
 }
 
-PyDoc_STRVAR(get_doc, "get(table, mask, lo, hi): the row of one key, or -1.");
+PyDoc_STRVAR(get_doc, "get(table, mask, a, b, lo, hi): the row of one key, or -1.");
 
 static PyObject *get(PyObject *self, PyObject *args) {
     Py_buffer table;
-    unsigned long long mask, lo, hi;
-    if (!PyArg_ParseTuple(args, "y*KKK", &table, &mask, &lo, &hi))
+    unsigned long long mask, a, b, lo, hi;
+    Hash hash;
+    if (!PyArg_ParseTuple(args, "y*KKKKK", &table, &mask, &a, &b, &lo, &hi))
         return NULL;
     PyObject *result = NULL;
-    if (check_table(&table, mask) == 0) {
+    if (check_table(&table, &hash, mask, a, b) == 0) {
         const uint64_t *t = table.buf;
-        int64_t at = slot_of(t, mask, lo, hi);
+        int64_t at = slot_of(t, &hash, lo, hi);
         result = PyLong_FromLongLong(at < 0 ? -1 : (long long)t[3 * at + 2] - BASE);
     }
     PyBuffer_Release(&table);
     return result;
 }
 
-PyDoc_STRVAR(insert_doc, "insert(table, mask, keys, rows, looked_up) -> (position, why, "
+PyDoc_STRVAR(insert_doc, "insert(table, mask, a, b, keys, rows, looked_up) -> (position, why, "
              "tombstones taken): add each (lo, hi) key of keys with its row (int64, >= 0). "
              "Every key must be absent and distinct: else nothing is changed and position "
              "names the first key that is not, why 1 if the table holds it, 2 if it repeats "
@@ -94,22 +123,23 @@ PyDoc_STRVAR(insert_doc, "insert(table, mask, keys, rows, looked_up) -> (positio
 
 static PyObject *insert(PyObject *self, PyObject *args) {
     Py_buffer table, keys, rows;
-    unsigned long long mask;
+    unsigned long long mask, a, b;
     int looked_up;
-    if (!PyArg_ParseTuple(args, "w*Ky*y*p", &table, &mask, &keys, &rows, &looked_up))
+    Hash hash;
+    if (!PyArg_ParseTuple(args, "w*KKKy*y*p", &table, &mask, &a, &b, &keys, &rows, &looked_up))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = keys.len / 16, position = -1, taken = 0, done = 0;
     int why = 0;
     uint64_t *written = NULL;  /* the slots taken, each with what it held: to undo */
-    if (check_table(&table, mask) != 0 || check(&keys, n, 16, "keys") != 0 ||
+    if (check_table(&table, &hash, mask, a, b) != 0 || check(&keys, n, 16, "keys") != 0 ||
         check(&rows, n, 8, "rows") != 0)
         goto end;
     uint64_t *t = table.buf;
     const uint64_t *k = keys.buf;
     const int64_t *r = rows.buf;
     for (Py_ssize_t i = 0; i < n && !looked_up; i++) {
-        if (slot_of(t, mask, k[2 * i], k[2 * i + 1]) >= 0) {
+        if (slot_of(t, &hash, k[2 * i], k[2 * i + 1]) >= 0) {
             position = i, why = 1;
             goto done;
         }
@@ -120,7 +150,7 @@ static PyObject *insert(PyObject *self, PyObject *args) {
         goto end;
     }
     for (; done < n; done++) {
-        uint64_t lo = k[2 * done], hi = k[2 * done + 1], at = lo & mask;
+        uint64_t lo = k[2 * done], hi = k[2 * done + 1], at = home(&hash, lo, hi);
         /* a repeat of a key placed earlier in the batch meets it before any free slot:
            that key took the first free slot on their common path */
         for (; t[3 * at + 2] >= BASE; at = (at + 1) & mask) {
@@ -156,11 +186,12 @@ PyDoc_STRVAR(delete_doc, "delete(table, mask, slots) -> tombstones cleared: mark
 static PyObject *delete(PyObject *self, PyObject *args) {
     Py_buffer table, slots;
     unsigned long long mask;
+    Hash hash;
     if (!PyArg_ParseTuple(args, "w*Ky*", &table, &mask, &slots))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = slots.len / 8, cleared = 0;
-    if (check_table(&table, mask) == 0 && check(&slots, n, 8, "slots") == 0) {
+    if (check_table(&table, &hash, mask, 1, 1) == 0 && check(&slots, n, 8, "slots") == 0) {
         uint64_t *t = table.buf;
         const int64_t *s = slots.buf;
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -185,7 +216,50 @@ end:
     return result;
 }
 
+PyDoc_STRVAR(first_repeat_doc, "first_repeat(keys, a, b) -> (first, repeat) or None: the "
+             "earliest key of the uint64 (n, 2) array keys that repeats an earlier one, and "
+             "where that one is; None if all are distinct.");
+
+static PyObject *first_repeat(PyObject *self, PyObject *args) {
+    Py_buffer keys;
+    unsigned long long a, b;
+    if (!PyArg_ParseTuple(args, "y*KK", &keys, &a, &b))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = keys.len / 16, capacity = 16;
+    int64_t *seen = NULL;  /* a table of positions in keys, at most half full; -1: empty */
+    Hash hash;
+    while (capacity < 2 * n)
+        capacity *= 2;
+    if (check(&keys, n, 16, "keys") != 0 || hash_of(&hash, (unsigned long long)capacity - 1, a, b) != 0)
+        goto end;
+    seen = PyMem_Malloc(sizeof(int64_t) * (size_t)capacity);
+    if (seen == NULL) {
+        PyErr_NoMemory();
+        goto end;
+    }
+    memset(seen, 0xff, sizeof(int64_t) * (size_t)capacity);
+    const uint64_t *k = keys.buf;
+    Py_ssize_t first = -1, repeat = -1;
+    for (Py_ssize_t i = 0; i < n && repeat < 0; i++) {
+        uint64_t lo = k[2 * i], hi = k[2 * i + 1], at = home(&hash, lo, hi);
+        for (; seen[at] >= 0; at = (at + 1) & hash.mask) {
+            if (k[2 * seen[at]] == lo && k[2 * seen[at] + 1] == hi) {
+                first = (Py_ssize_t)seen[at], repeat = i;
+                break;
+            }
+        }
+        seen[at] = i;
+    }
+    result = repeat < 0 ? Py_NewRef(Py_None) : Py_BuildValue("(nn)", first, repeat);
+end:
+    PyMem_Free(seen);
+    PyBuffer_Release(&keys);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"first_repeat", first_repeat, METH_VARARGS, first_repeat_doc},
     {"find", find, METH_VARARGS, find_doc},
     {"get", get, METH_VARARGS, get_doc},
     {"insert", insert, METH_VARARGS, insert_doc},
@@ -196,7 +270,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "tiercache._keymap",
-    .m_doc = "The probing loops of tiercache.keymap.",
+    .m_doc = "Hash tables of 128-bit keys (see _keymap.c).",
     .m_size = -1,
     .m_methods = methods,
 };

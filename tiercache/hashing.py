@@ -17,6 +17,7 @@ import array as pyarray
 import functools
 import hashlib
 import itertools
+import secrets
 import struct
 import sys
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterable, NewType, Sequence
 import numpy as np
 import xxhash
 
+from tiercache import _keymap
 from tiercache.errors import InvalidArgument
 
 PageKey = NewType("PageKey", bytes)
@@ -194,45 +196,16 @@ def key_hex(key: bytes, width: int = 8) -> str:
     return key[:width].hex()
 
 
-_SORTED = 1024  # keys a repeat check sorts; past them, a table (see _surely_distinct)
-
-
-def _surely_distinct(chain: np.ndarray) -> bool:
-    """True if no key of `chain` (n >= 2) repeats; False if one may (then look closer).
-    The low halves are the hash, so ties are rare: a sort of them says so for short
-    chains; past _SORTED keys (where a sort costs most), each key is written to a table
-    slot picked by its low bits, and only the keys that lost their slot to another are
-    compared, with the winner and among themselves."""
-    lo = chain[:, 0]
-    if len(chain) <= _SORTED:
-        return _untied(lo)
-    size = 1 << (16 * len(chain) - 1).bit_length()
-    at = (lo & np.uint64(size - 1)).astype(np.intp)
-    table, each = np.empty(size, np.intp), np.arange(len(chain))
-    table[at] = each  # one of the keys of each slot stays there
-    winners = table[at]
-    lost = np.flatnonzero(winners != each)
-    return not np.any(lo[lost] == lo[winners[lost]]) and _untied(lo[lost])
-
-
-def _untied(values: np.ndarray) -> bool:
-    """Whether no two of `values` are equal (a sort, then neighbours)."""
-    ordered = np.sort(values)
-    return not np.any(ordered[1:] == ordered[:-1])
+_SALTS = (secrets.randbits(64) | 1, secrets.randbits(64) | 1)  # the repeat check's hash
 
 
 def distinct_keys(keys: Keys) -> np.ndarray:
     """`key_array(keys)`, refusing a key repeated in the sequence: a prompt's chained keys
     are all distinct, and a repeat would name one entry twice in one request."""
     chain = key_array(keys)
-    if len(chain) < 2 or _surely_distinct(chain):
-        return chain
-    order = np.lexsort((chain[:, 1], chain[:, 0]))  # by both halves: repeats sit side by side
-    ordered = chain[order]
-    same = np.flatnonzero((ordered[1:] == ordered[:-1]).all(axis=1))
-    if len(same):  # stable: a repeat comes after its earlier copy
-        at = same[np.argmin(order[same + 1])]
-        first, repeat = int(order[at]), int(order[at + 1])
+    found = _keymap.first_repeat(np.ascontiguousarray(chain), *_SALTS) if len(chain) > 1 else None
+    if found is not None:
+        first, repeat = found
         raise InvalidArgument(f"key {repeat} repeats key {first} ({key_hex(chain[first].tobytes())}"
                               "...): a prompt's page keys are all distinct, so hash it with "
                               "tiercache.hashing")

@@ -1,16 +1,19 @@
 """A hash map from 128-bit keys to rows, where every operation works on a whole batch.
 
-Keys are xxh3/blake2b digests, uniformly spread, so their low 64 bits are the hash.
 Open addressing with linear probing over one (capacity, 3) uint64 table of (lo, hi,
 row + 2) records, so a probe costs one cache miss; 0 in the last field marks an empty
-slot and 1 a deleted one (a tombstone, cleared by the next rehash). The probing loops are
-C (tiercache/_keymap.c, built when the package is installed): a lookup of the 2,048 keys
-of a 32k-token prompt takes a few microseconds, a tenth of what numpy's per-call costs
-made of it. This module owns the table, its size and its accounting. An entry costs
-about 40 bytes instead of a dict slot plus a bytes object.
+slot and 1 a deleted one (a tombstone, cleared by the next rehash). A key's first slot is
+a salted hash of both halves, salts drawn at random for each map: keys come from
+clients, and keys chosen to share a slot would make every probe long. The probing loops
+are C (tiercache/_keymap.c, built when the package is installed): a lookup of the 2,048
+keys of a 32k-token prompt takes a few microseconds, a tenth of what numpy's per-call
+costs made of it. This module owns the table, its size and its accounting. An entry
+costs about 40 bytes instead of a dict slot plus a bytes object.
 """
 
 from __future__ import annotations
+
+import secrets
 
 import numpy as np
 
@@ -32,6 +35,11 @@ class DuplicateKey(ValueError):
         self.position = position
 
 
+def salts() -> tuple[int, int]:
+    """Two odd 64-bit salts for a table's hash, at random (see _keymap.c)."""
+    return secrets.randbits(64) | 1, secrets.randbits(64) | 1
+
+
 def _contiguous(keys: np.ndarray) -> np.ndarray:
     """Keys as the C loops read them: a C-contiguous uint64 (n, 2) array."""
     if keys.ndim != 2 or keys.shape[1] != 2 or keys.dtype != np.uint64:
@@ -43,6 +51,7 @@ class KeyMap:
     def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
         self.count = 0
         self._tombstones = 0
+        self._salts = salts()
         self._allocate(max(_MIN_CAPACITY, 1 << (capacity - 1).bit_length()))
 
     def _allocate(self, capacity: int) -> None:
@@ -63,12 +72,12 @@ class KeyMap:
     def get(self, key: np.ndarray) -> int:
         """The row of one key (a uint64 pair), or -1."""
         lo, hi = key.tolist()
-        return _keymap.get(self._table, self._mask, lo, hi)
+        return _keymap.get(self._table, self._mask, *self._salts, lo, hi)
 
     def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(table slot, row) of each key; both -1 where it is absent."""
         slots, rows = np.empty(len(keys), np.int64), np.empty(len(keys), np.int64)
-        _keymap.find(self._table, self._mask, _contiguous(keys), slots, rows)
+        _keymap.find(self._table, self._mask, *self._salts, _contiguous(keys), slots, rows)
         return slots, rows
 
     def insert(self, keys: np.ndarray, rows: np.ndarray, looked_up: bool = False) -> None:
@@ -84,7 +93,8 @@ class KeyMap:
         if len(keys) and rows.min() < 0:
             raise ValueError("rows are >= 0")
         self._make_room(len(keys))
-        position, why, taken = _keymap.insert(self._table, self._mask, keys, rows, looked_up)
+        position, why, taken = _keymap.insert(self._table, self._mask, *self._salts, keys, rows,
+                                              looked_up)
         if position >= 0:
             raise DuplicateKey(position, "is in the map already" if why == 1
                                else "repeats an earlier key of the batch")

@@ -3,6 +3,14 @@ import numpy as np
 from tiercache.keymap import KeyMap
 
 
+def crowded(keymap, slots):
+    """Keys whose first slot in `keymap`'s table is each of `slots`: its salts set to 1
+    and 1, so a key's first slot is the top bits of lo + hi (hi is 0 here)."""
+    keymap._salts = (1, 1)
+    shift = 64 - (len(keymap._table) - 1).bit_length()
+    return np.array([[(int(slot) << shift) + i, 0] for i, slot in enumerate(slots)], np.uint64)
+
+
 def random_keys(rng, n):
     return rng.integers(0, 2**63, (n, 2), dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, (n, 2), dtype=np.uint64)
 
@@ -39,8 +47,8 @@ def test_keys_that_share_their_low_half_are_told_apart():
 
 
 def test_a_batch_that_collides_with_itself_lands_in_distinct_slots():
-    keys = np.array([[5 + 1024 * i, i] for i in range(50)], np.uint64)  # all hash to slot 5
     keymap = KeyMap()
+    keys = crowded(keymap, [5] * 50)
     keymap.insert(keys, np.arange(50))
     assert list(keymap.lookup(keys)) == list(range(50))
 
@@ -48,8 +56,8 @@ def test_a_batch_that_collides_with_itself_lands_in_distinct_slots():
 def test_an_insert_with_a_repeated_or_present_key_is_refused_and_undone():
     import pytest
     from tiercache.keymap import DuplicateKey
-    keys = np.array([[5 + 1024 * i, i] for i in range(6)], np.uint64)  # all hash to slot 5
     keymap = KeyMap()
+    keys = crowded(keymap, [5] * 6)
     keymap.insert(keys[:2], np.array([0, 1]))
     keymap.delete(keys[:1])  # a tombstone at slot 5, key 1 behind it
     # a batch that names key 3 twice: refused, and the slots it took are given back
@@ -69,8 +77,8 @@ def test_a_repeat_among_long_probes_is_refused_and_undone():
     slot the batch took is given back."""
     import pytest
     from tiercache.keymap import DuplicateKey
-    keys = np.array([[5 + 1024 * i, i] for i in range(120)], np.uint64)  # all hash to slot 5
     keymap = KeyMap(4096)
+    keys = crowded(keymap, [5] * 120)
     keymap.insert(keys[:1], np.array([0]))
     batch = np.concatenate([keys[1:], keys[100:101]])  # key 100 again, last
     with pytest.raises(DuplicateKey, match=f"key {len(batch) - 1} of the batch repeats"):
@@ -85,9 +93,7 @@ def test_clustered_keys_follow_a_dict_across_the_tables_end():
     wrap around to slot 0; inserts reuse tombstones, deletes clear them behind them."""
     rng = np.random.default_rng(1)
     keymap, model = KeyMap(), {}
-    homes = np.array([1021, 1022, 1023, 0, 3], np.uint64)  # a 1,024-slot table's last slots
-    pool = np.stack([homes[np.arange(300) % 5] + np.uint64(1024) * rng.integers(0, 2**40, 300, dtype=np.uint64),
-                     np.arange(300, dtype=np.uint64)], axis=1)
+    pool = crowded(keymap, np.array([1021, 1022, 1023, 0, 3])[np.arange(300) % 5])
     for step in range(40):
         absent = [i for i in rng.permutation(len(pool))[:40] if i not in model][:25]
         rows = rng.integers(0, 2**40, len(absent))
@@ -101,6 +107,33 @@ def test_clustered_keys_follow_a_dict_across_the_tables_end():
         assert keymap.lookup(pool).tolist() == expected, f"step {step}"
         assert [keymap.get(key) for key in pool[:20]] == expected[:20]
         assert len(keymap) == len(model)
+
+
+def longest_run(occupied: np.ndarray) -> int:
+    """The most consecutive occupied slots of a circular table."""
+    if occupied.all():
+        return len(occupied)
+    start = int(np.flatnonzero(~occupied)[0])
+    run = best = 0
+    for taken in np.roll(occupied, -start).tolist():
+        run = run + 1 if taken else 0
+        best = max(best, run)
+    return best
+
+
+def test_keys_chosen_to_share_a_slot_do_not_crowd_it():
+    """A client picks its keys: keys whose low bits, or whose halves' sum, are all alike
+    still spread over the table (a key's first slot is a salted hash of both halves), so
+    probes stay short. Under the old first slot, lo & mask, each set was one run."""
+    n = np.arange(2000, dtype=np.uint64)
+    attacks = {"low bits alike": np.stack([n << np.uint64(40), n], axis=1),
+               "sum alike": np.stack([n, np.uint64(2**63) - n], axis=1),
+               "one low half": np.stack([np.full(2000, 7, np.uint64), n], axis=1)}
+    for name, keys in attacks.items():
+        keymap = KeyMap()
+        keymap.insert(keys, np.arange(2000))
+        assert longest_run(keymap._table[:, 2] >= 2) < 100, name
+        assert keymap.lookup(keys).tolist() == list(range(2000)), name
 
 
 def test_keys_are_a_uint64_pair_array_and_other_views_of_them_are_read_right():
@@ -119,23 +152,27 @@ def test_keys_are_a_uint64_pair_array_and_other_views_of_them_are_read_right():
     assert len(keymap) == 10
 
 
-def test_the_c_loops_refuse_buffers_of_the_wrong_size_and_slots_without_a_record():
+def test_the_c_loops_refuse_bad_arguments_and_slots_without_a_record():
     import pytest
     from tiercache import _keymap
     table = np.zeros((1024, 3), np.uint64)
     keys = np.array([[5, 6]], np.uint64)
     out = np.empty(1, np.int64)
     with pytest.raises(ValueError, match="mask must be a power of two less one"):
-        _keymap.find(table, 1000, keys, out, out)
+        _keymap.find(table, 1000, 1, 1, keys, out, out)
+    with pytest.raises(ValueError, match="salts must be odd"):
+        _keymap.find(table, 1023, 2, 1, keys, out, out)
     with pytest.raises(ValueError, match="table holds 24576 bytes, expected 49152"):
-        _keymap.find(table, 2047, keys, out, out)
+        _keymap.find(table, 2047, 1, 1, keys, out, out)
     with pytest.raises(ValueError, match="slots holds 16 bytes, expected 8"):
-        _keymap.find(table, 1023, keys, np.empty(2, np.int64), out)
+        _keymap.find(table, 1023, 1, 1, keys, np.empty(2, np.int64), out)
     with pytest.raises(TypeError):
-        _keymap.insert(table.copy(order="F"), 1023, keys, np.zeros(1, np.int64), False)
-    assert _keymap.insert(table, 1023, keys, np.array([9], np.int64), False) == (-1, 0, 0)
-    with pytest.raises(ValueError, match="slot 6 holds no record"):
-        _keymap.delete(table, 1023, np.array([5, 6], np.int64))
-    assert table[5].tolist() == [5, 6, 11]  # the refused delete changed nothing
-    assert _keymap.delete(table, 1023, np.array([5], np.int64)) == 1  # its tombstone cleared
-    assert table[5, 2] == 0
+        _keymap.insert(table.copy(order="F"), 1023, 1, 1, keys, np.zeros(1, np.int64), False)
+    assert _keymap.insert(table, 1023, 1, 1, keys, np.array([9], np.int64), False) == (-1, 0, 0)
+    at = int(np.flatnonzero(table[:, 2])[0])
+    assert table[at].tolist() == [5, 6, 11]
+    with pytest.raises(ValueError, match=f"slot {(at + 1) % 1024} holds no record"):
+        _keymap.delete(table, 1023, np.array([at, (at + 1) % 1024], np.int64))
+    assert table[at].tolist() == [5, 6, 11]  # the refused delete changed nothing
+    assert _keymap.delete(table, 1023, np.array([at], np.int64)) == 1  # its tombstone cleared
+    assert table[at, 2] == 0
