@@ -23,7 +23,7 @@ typedef struct {
 } Hash;
 
 static int hash_of(Hash *hash, unsigned long long mask, unsigned long long a, unsigned long long b) {
-    if (mask == 0 || (mask & (mask + 1)) != 0)
+    if (mask == 0 || (mask & (mask + 1)) != 0 || mask >= (unsigned long long)PY_SSIZE_T_MAX / 24)
         return PyErr_SetString(PyExc_ValueError, "mask must be a power of two less one"), -1;
     if (!(a & 1) || !(b & 1))
         return PyErr_SetString(PyExc_ValueError, "salts must be odd"), -1;
@@ -37,16 +37,18 @@ static inline uint64_t home(const Hash *hash, uint64_t lo, uint64_t hi) {
     return (lo * hash->a + hi * hash->b) >> hash->shift & hash->mask;
 }
 
-/* The slot holding (lo, hi), or -1. */
+/* The slot holding (lo, hi), or -1. A probe ends at an empty slot; one that has gone
+   round the whole table (a table without one, which keymap.py never lets happen) too. */
 static int64_t slot_of(const uint64_t *table, const Hash *hash, uint64_t lo, uint64_t hi) {
-    uint64_t mask = hash->mask;
-    for (uint64_t at = home(hash, lo, hi);; at = (at + 1) & mask) {
+    uint64_t mask = hash->mask, at = home(hash, lo, hi);
+    for (uint64_t step = 0; step <= mask; step++, at = (at + 1) & mask) {
         const uint64_t *record = table + 3 * at;
         if (record[2] == EMPTY)
             return -1;
         if (record[2] >= BASE && record[0] == lo && record[1] == hi)
             return (int64_t)at;
     }
+    return -1;
 }
 
 /* Buffers as the argument formats y* (read-only) and w* (writable) give them: each
@@ -150,14 +152,18 @@ static PyObject *insert(PyObject *self, PyObject *args) {
         goto end;
     }
     for (; done < n; done++) {
-        uint64_t lo = k[2 * done], hi = k[2 * done + 1], at = home(&hash, lo, hi);
+        uint64_t lo = k[2 * done], hi = k[2 * done + 1], at = home(&hash, lo, hi), step = 0;
         /* a repeat of a key placed earlier in the batch meets it before any free slot:
            that key took the first free slot on their common path */
-        for (; t[3 * at + 2] >= BASE; at = (at + 1) & mask) {
+        for (; t[3 * at + 2] >= BASE && step <= mask; at = (at + 1) & mask, step++) {
             if (t[3 * at] == lo && t[3 * at + 1] == hi) {
                 position = done, why = 2;
                 break;
             }
+        }
+        if (!why && step > mask) {
+            PyErr_SetString(PyExc_ValueError, "the table has no free slot left");
+            why = -1;
         }
         if (why)
             break;
@@ -169,6 +175,8 @@ static PyObject *insert(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = done - 1; i >= 0; i--)
             t[3 * written[2 * i] + 2] = written[2 * i + 1];
         taken = 0;
+        if (why < 0)
+            goto end;
     }
 done:
     result = Py_BuildValue("nin", position, why, taken);

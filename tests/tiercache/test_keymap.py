@@ -176,3 +176,21 @@ def test_the_c_loops_refuse_bad_arguments_and_slots_without_a_record():
     assert table[at].tolist() == [5, 6, 11]  # the refused delete changed nothing
     assert _keymap.delete(table, 1023, np.array([at], np.int64)) == 1  # its tombstone cleared
     assert table[at, 2] == 0
+
+
+def test_a_table_without_an_empty_slot_ends_every_probe():
+    """KeyMap keeps its table at most half full; the C loops still end on a full one."""
+    import pytest
+    from tiercache import _keymap
+    table = np.zeros((1024, 3), np.uint64)
+    table[:, 0], table[:, 2] = np.arange(1024), 2  # 1,024 live records, no empty slot
+    out = np.empty(1, np.int64)
+    absent = np.array([[5000, 1]], np.uint64)
+    _keymap.find(table, 1023, 1, 1, absent, out, out)
+    assert out.tolist() == [-1]
+    before = table.copy()
+    with pytest.raises(ValueError, match="no free slot"):
+        _keymap.insert(table, 1023, 1, 1, absent, np.array([3], np.int64), True)
+    assert np.array_equal(table, before)
+    with pytest.raises(ValueError, match="mask must be"):
+        _keymap.find(table, 2**63 - 1, 1, 1, absent, out, out)
