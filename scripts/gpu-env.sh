@@ -8,8 +8,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/tiercache-site .whl/*.whl || exit 1
 fi
 ln -sfn "$PWD/service" /tmp/tiercache-site/tiercache_service
-# the package's C module (setup.py's extension), built in this tree for this Python; by
-# hand: `setup.py build_ext` needs a setuptools that reads pyproject's metadata
+# the package's C module (setup.py's extension), built in this tree for this Python by
+# gcc itself: `setup.py build_ext` needs a setuptools new enough for pyproject's metadata
 python3 -c 'import subprocess, sysconfig as s; subprocess.run(["gcc", "-O2", "-shared", "-fPIC",
   "-I" + s.get_paths()["include"], "tiercache/_keymap.c", "-o",
   "tiercache/_keymap" + s.get_config_var("EXT_SUFFIX")], check=True)' || exit 1
