@@ -17,7 +17,6 @@ import array as pyarray
 import functools
 import hashlib
 import itertools
-import secrets
 import struct
 import sys
 from dataclasses import dataclass
@@ -26,8 +25,8 @@ from typing import Any, Callable, Iterable, NewType, Sequence
 import numpy as np
 import xxhash
 
-from tiercache import _keymap
 from tiercache.errors import InvalidArgument
+from tiercache.keymap import _keymap, salts
 
 PageKey = NewType("PageKey", bytes)
 """16 bytes: the digest naming a prefix that ends on a page boundary."""
@@ -196,7 +195,7 @@ def key_hex(key: bytes, width: int = 8) -> str:
     return key[:width].hex()
 
 
-_SALTS = (secrets.randbits(64) | 1, secrets.randbits(64) | 1)  # the repeat check's hash
+_SALTS = salts()  # the repeat check's hash (a table like the key map's)
 
 
 def distinct_keys(keys: Keys) -> np.ndarray:
