@@ -1,7 +1,8 @@
 """A store longer than one part (store.py's pipeline: keys claimed in parts of 512, 1,024,
 ..., each batch published after its copy while the next part is claimed): the same result
 and the same bytes as a store taken whole, and nothing left half-done when it stops part
-way (no room, a failure, a caller that stopped waiting)."""
+way (no room, a failure, a caller that stopped waiting). The device tier takes a store as
+one part, and a store's checkpoint is launched before its pages are waited for."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from drills.worlds import page_bytes, prompt_keys, random_buffers, same
+from drills.worlds import hybrid_layout, page_bytes, prompt_keys, random_buffers, same, slot_bytes
 from tiercache import failpoints
 from tiercache.engine import Engine, EngineConfig
 from tiercache.errors import DeadlineExceeded, ResourceExhausted
@@ -19,6 +20,8 @@ from tiercache.invariants import violations
 from tiercache.layout import BufferSpec, Layout
 from tiercache.results import Kind
 from tiercache.store import _parts
+from tiercache.tiers.arena import SlotArena
+from tiercache.tiers.device import DeviceMemory
 from tiercache.tiers.host import HostConfig
 
 PAGES = 3000  # parts of 512, 1,024 and 1,464 keys
@@ -171,3 +174,54 @@ def test_slots_reserved_beside_an_eviction_that_fails_to_move_its_victims_go_bac
     assert engine.host.used_bytes == int(engine.index.column("nbytes", rows).sum())
     assert violations(engine) == []
     engine.close(flush=False)
+
+
+def test_a_device_tier_store_is_one_launch_per_group_and_waits_once_both_are_launched():
+    layout = hybrid_layout(page_rows=2 * PAGES, slot_rows=4)
+    prompt = PAGES * layout.page_bytes + layout.checkpoint_bytes
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=2 * prompt, pin=False)))
+    engine.books.attach_device(SlotArena(2 * prompt, prompt, DeviceMemory(torch.device("cpu"), ())))
+    transfer = engine.mover.device_transfer = engine.transfer  # CPU workers are "on the device"
+    source = random_buffers(layout, seed=8)
+    steps, gather, fence = [], transfer.gather, transfer.fence
+
+    def gathering(buffers, offsets, rows, parts):
+        steps.append(("launch", "pages" if buffers is source.paged else "checkpoint", len(rows)))
+        gather(buffers, offsets, rows, parts)
+
+    def fencing(direction, *args, **kwargs):
+        done = fence(direction, *args, **kwargs)
+        if direction != "store":  # the copies down behind the store
+            return done
+        waited = done.synchronize
+        done.synchronize = lambda: (steps.append(("wait",)), waited())[1]
+        return done
+    transfer.gather, transfer.fence = gathering, fencing
+    keys = prompt_keys(layout, seed=8, pages=PAGES)
+    assert engine.store(source, keys, range(PAGES), {PAGES: 3}).stored == PAGES + 1
+    # the pages as one part (not 512, 1,024, ...), the checkpoint launched before any wait
+    assert steps == [("launch", "pages", PAGES), ("launch", "checkpoint", 1), ("wait",), ("wait",)]
+    transfer.gather, transfer.fence = gather, fence
+    target = random_buffers(layout, seed=9)
+    assert engine.load(target, keys, range(PAGES, 2 * PAGES), slot=1).match.pages == PAGES
+    assert same(page_bytes(target, range(PAGES, 2 * PAGES)), page_bytes(source, range(PAGES)))
+    assert same(slot_bytes(target, 1), slot_bytes(source, 3))
+    assert violations(engine) == []
+    engine.close()
+
+
+def test_pages_that_find_no_room_take_their_checkpoint_with_them():
+    layout = hybrid_layout(page_rows=64, slot_rows=4)
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=8 * layout.page_bytes, pin=False)))
+    source = random_buffers(layout, seed=10)
+    held_keys = prompt_keys(layout, seed=11, pages=8)
+    engine.store(source, held_keys, range(8))
+    held = engine.books.rows_of(Kind.PAGE, key_array(held_keys))
+    engine.books.pin(held)  # as loads in flight would: nothing to evict
+    keys = prompt_keys(layout, seed=10, pages=4)
+    with pytest.raises(ResourceExhausted, match="no room in the host tier"):
+        engine.store(source, keys, range(8, 12), {4: 0})
+    engine.books.unpin(held)
+    # neither the pages nor the checkpoint: a checkpoint needs its pages to be worth anything
+    assert len(engine.index) == 8 and violations(engine) == []
+    engine.close()
