@@ -11,6 +11,7 @@ waits until every entry is committed to disk.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -132,27 +133,28 @@ class Stores:
         published: dict[Tier, list[np.ndarray]] = {}
         pages = checkpoints = None
         try:
-            if job.src is not None:
-                pages = self._launch(job, Group.pages(job.buffers, job.transfer), job.chain,
-                                     np.arange(first + 1, first + len(job.chain) + 1), job.src,
-                                     page_values, stamp, job.checks, published)
-                if pages.found_no_room():  # the checkpoint would stand on no pages
-                    pages.result(len(job.chain))  # raises
-            elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
-                self.books.raise_values(Kind.PAGE, job.chain, page_values)
-            if len(depths):
-                checkpoints = self._launch(job, Group.checkpoints(job.buffers, job.transfer),
-                                           job.chain[local], depths,
-                                           np.array([job.slots[d] for d in depths.tolist()], np.int64),
-                                           end_values[np.searchsorted(ends, depths)], stamp,
-                                           None if job.checks is None else job.checks[local], published)
-            for flight in (pages, checkpoints):
-                if flight is not None:
-                    flight.finish()
+            with ExitStack() as flights:  # each closed, whatever another's close raised
+                if job.src is not None:
+                    pages = self._launch(job, Group.pages(job.buffers, job.transfer), job.chain,
+                                         np.arange(first + 1, first + len(job.chain) + 1), job.src,
+                                         page_values, stamp, job.checks, published)
+                    flights.callback(pages.close)
+                    if pages.found_no_room():  # the checkpoint would stand on no pages
+                        pages.result(len(job.chain))  # raises
+                elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
+                    self.books.raise_values(Kind.PAGE, job.chain, page_values)
+                if len(depths):
+                    checkpoints = self._launch(job, Group.checkpoints(job.buffers, job.transfer),
+                                               job.chain[local], depths,
+                                               np.array([job.slots[d] for d in depths.tolist()], np.int64),
+                                               end_values[np.searchsorted(ends, depths)], stamp,
+                                               None if job.checks is None else job.checks[local],
+                                               published)
+                    flights.callback(checkpoints.close)
+                for flight in (pages, checkpoints):
+                    if flight is not None:
+                        flight.finish()
         finally:
-            for flight in (pages, checkpoints):
-                if flight is not None:
-                    flight.close()
             # copies down and to disk start once the store is done: launched between its
             # copies, they would take the GPU's SMs and the GIL from the copies that follow
             for tier, rows in published.items():
