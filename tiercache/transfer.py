@@ -14,8 +14,10 @@ worker, by where its buffers live:
   memory, rows of 1 MiB and more, which go one by one on the copy engines
   (copy_engines.py), and shorter rows whose slots lie in long runs, which are staged
   through a ring of device memory (bulk copies of whole runs of entries on the copy
-  engines, the launch device to device beside them). On this GPU's own streams;
-  `fence` hands back the event that marks the batch done.
+  engines, the launch device to device beside them). Entries with rows of both kinds
+  that cannot be staged (too long, or in short runs) split: the long rows on the
+  engines, the short ones by the launch. On this GPU's own streams; `fence` hands back
+  the event that marks the batch done.
 """
 
 from __future__ import annotations
@@ -242,7 +244,9 @@ class CudaTransfer:
     def __init__(self, device: torch.device, streams: dict[str, torch.cuda.Stream]) -> None:
         self.device = device
         self._streams = streams
-        self._tables: dict[int, tuple[Sequence[torch.Tensor], Any]] = {}  # by id of the buffers
+        # by id of the buffers: their table, and that of their rows shorter than
+        # copy_engines.MIN_ROW_BYTES (None where all are, or none)
+        self._tables: dict[int, tuple[Sequence[torch.Tensor], Any, Any]] = {}
         self._engines = copy_engines.available()  # until the driver refuses a batch
         self._rings: dict[str, _Ring | None] = {}
         self._rings_lock = threading.Lock()
@@ -269,13 +273,20 @@ class CudaTransfer:
         if event is not None:
             self._streams[direction].wait_event(event)
 
-    def _table(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int]) -> Any:
-        """The kernel's buffer table, built once per group of registered buffers."""
+    def _table(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int]) -> tuple[Any, Any]:
+        """The kernel's buffer table, and the table of the buffers whose rows are shorter
+        than copy_engines.MIN_ROW_BYTES where some are longer (else None): built once per
+        group of registered buffers."""
         from tiercache.kernels import BufferTable  # Triton only where there is a GPU
         cached = self._tables.get(id(buffers))
         if cached is None:
-            cached = self._tables[id(buffers)] = (buffers, BufferTable.of(buffers, offsets, self.device))
-        return cached[1]
+            short = [b.shape[1] < copy_engines.MIN_ROW_BYTES for b in buffers]
+            mixed = any(short) and not all(short)
+            cached = self._tables[id(buffers)] = (
+                buffers, BufferTable.of(buffers, offsets, self.device),
+                BufferTable.of([b for b, s in zip(buffers, short) if s],
+                               [at for at, s in zip(offsets, short) if s], self.device) if mixed else None)
+        return cached[1], cached[2]
 
     def forget(self, buffers: Sequence[torch.Tensor]) -> None:
         """Drop what was cached for buffers that are going away."""
@@ -286,7 +297,7 @@ class CudaTransfer:
         """Copy the rows of every part: slots in device memory by one launch, slots in host
         memory by the path their rows and runs call for (the module's docstring)."""
         direction = "store" if to_slots else "load"
-        table = self._table(buffers, offsets)
+        table, short = self._table(buffers, offsets)
         for on_device in (True, False):
             chosen = [p for p in parts if p.slab.is_cuda == on_device]
             if not chosen:
@@ -297,8 +308,26 @@ class CudaTransfer:
                 self._run(table, entry_rows, addresses, to_slots, direction)
             elif table.min_width >= copy_engines.MIN_ROW_BYTES:
                 self._run(table, entry_rows, addresses, to_slots, direction, engines=True)
-            elif not self._staged(table, entry_rows, addresses, chosen, to_slots, direction):
+            elif self._staged(table, entry_rows, addresses, chosen, to_slots, direction):
+                pass
+            elif short is not None and self._long_rows_on_engines(table, entry_rows, addresses,
+                                                                  to_slots, direction):
+                self._run(short, entry_rows, addresses, to_slots, direction)
+            else:
                 self._run(table, entry_rows, addresses, to_slots, direction)
+
+    def _long_rows_on_engines(self, table: Any, rows: np.ndarray, addresses: np.ndarray,
+                              to_slots: bool, direction: str) -> bool:
+        """Queue the rows of copy_engines.MIN_ROW_BYTES and more on the copy engines (a
+        Qwen3-Next checkpoint: 2 MiB recurrent states beside 48 KiB conv states, 74 MiB an
+        entry, too long to stage); False, with nothing queued, if the driver refused them.
+        The caller copies the shorter rows."""
+        if not self._engines:
+            return False
+        long = table.host[2] >= copy_engines.MIN_ROW_BYTES
+        worker, slots, sizes = copy_engines.row_addresses(table.host[:, long], rows, addresses)
+        dst, src = (slots, worker) if to_slots else (worker, slots)
+        return self._on_engines(dst, src, sizes, direction)
 
     def _staged(self, table: Any, rows: np.ndarray, addresses: np.ndarray,
                 parts: Sequence[SlabPart], to_slots: bool, direction: str) -> bool:

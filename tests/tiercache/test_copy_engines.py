@@ -1,7 +1,7 @@
 """Rows on the copy engines (tiercache/copy_engines.py): the addresses each row's copy
 gets and which copies join (any machine) and, on a GPU, stores, loads and copies down of
 long rows through CudaTransfer, exact, while short rows and slots in device memory stay
-with the kernel."""
+with the kernel, and entries of both split between them."""
 
 import numpy as np
 import pytest
@@ -73,12 +73,14 @@ def host_slab(slots, width):
 
 
 @gpu
-@pytest.mark.parametrize("short", [False, True])
-def test_rows_reach_host_slots_and_come_back_exactly_on_the_engines_or_the_kernel(engine_calls, short):
-    from tiercache.transfer import CudaTransfer
+@pytest.mark.parametrize("rows", ["long", "short", "mixed"])
+def test_rows_reach_host_slots_and_come_back_exactly_on_the_engines_or_the_kernel(engine_calls, rows):
+    from tiercache.transfer import MAX_STAGED_ENTRY, CudaTransfer
     assert copy_engines.available()  # drivers of CUDA 12.8 and later
-    width = 4096 if short else MIN_ROW_BYTES
-    widths = [width, 2 * width + 4096]  # the shortest row decides
+    # long: all rows on the engines; short (in short runs, so not staged): the kernel;
+    # mixed, in entries too long to stage: the long rows on the engines, the rest the kernel
+    widths = {"long": [MIN_ROW_BYTES, 2 * MIN_ROW_BYTES + 4096], "short": [4096, 12288],
+              "mixed": [4096, MAX_STAGED_ENTRY]}[rows]
     source = [random_rows(8, w, seed) for seed, w in enumerate(widths)]
     offsets, entry = [0, widths[0]], sum(widths)
     memory, slab = host_slab(6, entry)
@@ -97,7 +99,8 @@ def test_rows_reach_host_slots_and_come_back_exactly_on_the_engines_or_the_kerne
         for b in range(2):
             assert torch.equal(dest[b][r], source[b][[7, 2, 0][n]])
     assert int(dest[0][0].sum()) == 0
-    assert engine_calls == ([] if short else [6, 6])  # 3 entries x 2 buffers, each way
+    # 3 entries x the buffers on the engines, each way
+    assert engine_calls == {"long": [6, 6], "short": [], "mixed": [3, 3]}[rows]
     transfer.close()
     memory.release(slab)
 

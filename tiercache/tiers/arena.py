@@ -129,17 +129,18 @@ class SlotPool:
         """Split a list of slots by slab (usually one part), slabs in ascending order."""
         if not len(slots):
             return
-        numbers = slots // self.slots_per_slab
-        if numbers.min() == numbers.max():  # one slab, without a sort
-            groups: Iterator = iter([(int(numbers[0]), np.arange(len(numbers)))])
-        else:  # one sort for all slabs, not a pass over the list per slab
-            order = np.argsort(numbers, kind="stable")
-            cuts = np.flatnonzero(np.diff(numbers[order])) + 1
-            groups = zip(numbers[order[np.r_[0, cuts]]].tolist(), np.split(order, cuts))
-        for number, positions in groups:
+        numbers, local = np.divmod(slots, self.slots_per_slab)
+        # slots in slab order (the usual case: taken in order) need no sort; otherwise one
+        # sort for all slabs, not a pass over the list per slab
+        order = None if np.all(numbers[1:] >= numbers[:-1]) else np.argsort(numbers, kind="stable")
+        if order is not None:
+            numbers, local = numbers[order], local[order]
+        bounds = [0, *(np.flatnonzero(numbers[1:] != numbers[:-1]) + 1).tolist(), len(slots)]
+        for number, start, end in zip(numbers[bounds[:-1]].tolist(), bounds[:-1], bounds[1:]):
+            positions = np.arange(start, end) if order is None else order[start:end]
             view = self._views[number]
             assert view is not None, f"slots {slots[positions]} lie in a released slab"
-            yield SlabPart(view, slots[positions] % self.slots_per_slab, positions)
+            yield SlabPart(view, local[start:end], positions)
 
 
 class SlotArena:

@@ -43,6 +43,27 @@ def test_slot_views_are_rows_of_a_slab_and_parts_split_by_slab():
     assert torch.equal(parts[1].slab[:, 0], torch.tensor([3, 4, 5], dtype=torch.uint8))
 
 
+def test_parts_cover_any_slot_list_once_by_slab_in_ascending_order():
+    a = arena(budget=7000, slab=700)  # ten slabs of seven 100-byte slots
+    pool = a.pool(100)
+    everything = np.array(a.alloc(100, 70))
+    for s in everything:
+        pool.view(int(s))[0] = int(s)
+    rng = np.random.default_rng(0)
+    for trial in range(500):
+        slots = rng.choice(everything, int(rng.integers(1, 40)), replace=False)
+        if trial % 2:  # in slab order, the usual case, and shuffled
+            slots = np.sort(slots)
+        parts = list(pool.parts(slots))
+        firsts = [int(p.slab[p.local[0], 0]) // 7 for p in parts]
+        assert firsts == sorted(set(firsts))  # one part a slab, ascending
+        positions = np.concatenate([p.positions for p in parts])
+        assert sorted(positions.tolist()) == list(range(len(slots)))
+        for p in parts:
+            assert np.all(np.diff(p.positions) > 0)  # the caller's order within a slab
+            assert p.slab[p.local, 0].tolist() == slots[p.positions].tolist()
+
+
 def test_host_arena_uses_plain_memory_without_cuda():
     a = host_arena(HostConfig(budget_bytes=1 << 20, slab_bytes=1 << 16, pin=False))
     slot = a.alloc(4096, 1)[0]
