@@ -360,7 +360,7 @@ def print_beside_compute(rounds: int = 5) -> None:
     slots = memory.allocate(pages, BUFFERS * row_bytes)
     rows, part = torch.randperm(2 * pages)[:pages].numpy(), SlabPart(slots, np.arange(pages), np.arange(pages))
     addresses = slots.data_ptr() + np.arange(pages, dtype=np.int64) * slots.stride(0)
-    table = transfer._table(buffers, offsets)
+    table, _ = transfer._table(buffers, offsets)
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     worker = torch.cuda.Stream()
 
