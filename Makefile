@@ -67,7 +67,7 @@ proto-check: env  ## fail if tiercache/v1 is stale
 test-gpu:  ## on a GPU machine: GPU tests, then the whole suite (no network needed, see wheels)
 	bash scripts/test-gpu.sh
 
-bench-gpu:  ## on a GPU machine: benchmarks.gpu_transfer (BENCHES="..." for others, BENCH_ARGS="..." to them; tables also to $$OUT)
+bench-gpu:  ## on a GPU machine: benchmarks.gpu_transfer and checkpoint_copy (BENCHES="..." for others, BENCH_ARGS="..." to them; tables also to $$OUT)
 	bash scripts/bench-gpu.sh
 
 WHEELS := lmdb==3.0.0 protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 \

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh
 logs=${OUT:-/tmp}
 mkdir -p "$logs"
-for bench in ${BENCHES:-gpu_transfer}; do
+for bench in ${BENCHES:-gpu_transfer checkpoint_copy}; do
   python3 -m benchmarks.$bench ${BENCH_ARGS:-} 2>&1 | grep -v fork_posix | tee "$logs/bench-$bench.log"
 done
-echo; for bench in ${BENCHES:-gpu_transfer}; do grep -h '^summary:' "$logs/bench-$bench.log"; done
+echo; for bench in ${BENCHES:-gpu_transfer checkpoint_copy}; do grep -h '^summary:' "$logs/bench-$bench.log"; done

@@ -308,13 +308,11 @@ class CudaTransfer:
                 self._run(table, entry_rows, addresses, to_slots, direction)
             elif table.min_width >= copy_engines.MIN_ROW_BYTES:
                 self._run(table, entry_rows, addresses, to_slots, direction, engines=True)
-            elif self._staged(table, entry_rows, addresses, chosen, to_slots, direction):
-                pass
-            elif short is not None and self._long_rows_on_engines(table, entry_rows, addresses,
-                                                                  to_slots, direction):
-                self._run(short, entry_rows, addresses, to_slots, direction)
-            else:
-                self._run(table, entry_rows, addresses, to_slots, direction)
+            elif not self._staged(table, entry_rows, addresses, chosen, to_slots, direction):
+                # entries of long and short rows: the long ones on the engines, if they take them
+                rest = short if short is not None and self._long_rows_on_engines(
+                    table, entry_rows, addresses, to_slots, direction) else table
+                self._run(rest, entry_rows, addresses, to_slots, direction)
 
     def _long_rows_on_engines(self, table: Any, rows: np.ndarray, addresses: np.ndarray,
                               to_slots: bool, direction: str) -> bool:
