@@ -28,7 +28,7 @@ from tiercache.hashing import Keys
 from tiercache.metrics import Traffic
 from tiercache.promotions import Placed, Promotions
 from tiercache.results import Kind, LoadResult, Match, StopReason, Tier
-from tiercache.tiers.arena import SlabPart
+from tiercache.tiers.arena import SlabPart, SlotPool
 from tiercache.transfer import Transfer
 
 _ATTEMPTS = 4  # a damaged entry found during a load drops it and retries the load
@@ -66,6 +66,16 @@ class Delivery:
 
 
 Job = tuple[Group, np.ndarray, np.ndarray | None]  # entries' rows, destination rows (or none)
+
+
+def _parts(pool: SlotPool, slots: np.ndarray, where: np.ndarray) -> list[SlabPart]:
+    """The pool's parts of the entries `where` marks among a load's entries (`slots` are
+    theirs, in order), with positions among all the entries."""
+    parts = list(pool.parts(slots))
+    if len(slots) == len(where):  # every entry, the usual case: the positions stand
+        return parts
+    at = np.flatnonzero(where)
+    return [SlabPart(p.slab, p.local, at[p.positions]) for p in parts]
 
 
 class Loads:
@@ -182,12 +192,10 @@ class Loads:
                 done.damaged.extend(bad)
                 return None
             slots[from_disk[:len(promo)]] = promo
-        at = np.flatnonzero(slots >= 0)
-        parts = [SlabPart(p.slab, p.local, at[p.positions]) for p in pool.parts(slots[at])]
+        here = slots >= 0
+        parts = _parts(pool, slots if here.all() else slots[here], here)
         if len(found.device_slots):
-            at = np.flatnonzero(found.on_device)
-            parts += [SlabPart(p.slab, p.local, at[p.positions])
-                      for p in self.books.device.pool(nbytes).parts(found.device_slots)]
+            parts += _parts(self.books.device.pool(nbytes), found.device_slots, found.on_device)
         if staging is not None:
             parts.append(SlabPart(staging, np.arange(len(staging)), from_disk[len(promo):]))
         counts = {Tier.DEVICE: len(found.device_slots), Tier.DISK: len(from_disk),
