@@ -62,6 +62,22 @@ def test_prompts_go_down_the_tiers_and_come_back_exact(tmp_path, writes, host_sl
     engine.close()
 
 
+def test_one_load_takes_some_pages_from_the_device_and_the_rest_from_the_host(tmp_path):
+    engine = engine_with_a_device_tier(tmp_path, "back")
+    source = random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=1, pages=PAGES)
+    engine.store(source, keys, range(PAGES), {PAGES: 0})
+    gone = keys[0:PAGES - 1:3]  # every third page but the last (its key is the checkpoint's too)
+    assert engine.evict(gone, Tier.DEVICE) == len(gone)
+    other = random_buffers(LAYOUT, seed=2)
+    rows = [63, 5, 40, 17, 58, 2, 31, 12][:PAGES]
+    result = engine.load(other, keys, rows, slot=3)
+    assert result.match.pages == PAGES and set(result.bytes_from) == {Tier.DEVICE, Tier.HOST}
+    assert same(page_bytes(other, rows), page_bytes(source, range(PAGES)))
+    assert same(slot_bytes(other, 3), slot_bytes(source, 0))
+    engine.close()
+
+
 def test_evicting_the_device_tier_alone_copies_down_first(tmp_path):
     engine = engine_with_a_device_tier(tmp_path, "back")
     source = random_buffers(LAYOUT, seed=1)
