@@ -123,17 +123,25 @@ def longest_run(occupied: np.ndarray) -> int:
 
 def test_keys_chosen_to_share_a_slot_do_not_crowd_it():
     """A client picks its keys: keys whose low bits, or whose halves' sum, are all alike
-    still spread over the table (a key's first slot is a salted hash of both halves), so
-    probes stay short. Under the old first slot, lo & mask, each set was one run."""
+    still spread over the table, so probes stay short, under fresh salts and under the
+    salts that line each set up (lo * a + hi * b = n * 2^51 + constant: with a product
+    alone for a hash, the keys would take consecutive slots of an 8,192-slot table; with
+    random salts that happened in about one table of a hundred). Under the old first
+    slot, lo & mask, each set was one run."""
     n = np.arange(2000, dtype=np.uint64)
-    attacks = {"low bits alike": np.stack([n << np.uint64(40), n], axis=1),
-               "sum alike": np.stack([n, np.uint64(2**63) - n], axis=1),
-               "one low half": np.stack([np.full(2000, 7, np.uint64), n], axis=1)}
-    for name, keys in attacks.items():
-        keymap = KeyMap()
-        keymap.insert(keys, np.arange(2000))
-        assert longest_run(keymap._table[:, 2] >= 2) < 100, name
-        assert keymap.lookup(keys).tolist() == list(range(2000)), name
+    step = 2**51  # 2^64 / 8,192 slots: one slot a key under a product alone
+    attacks = {"low bits alike": (np.stack([n << np.uint64(40), n], axis=1), (1, step - 2**40 + 1)),
+               "sum alike": (np.stack([n, np.uint64(2**63) - n], axis=1), (step + 1, 1)),
+               "one low half": (np.stack([np.full(2000, 7, np.uint64), n], axis=1), (1, step + 1))}
+    for name, (keys, lined_up) in attacks.items():
+        for salts in [None] * 20 + [lined_up]:
+            keymap = KeyMap()
+            if salts is not None:
+                keymap._salts = salts
+            keymap.insert(keys, np.arange(2000))
+            assert len(keymap._table) == 8192
+            assert longest_run(keymap._table[:, 2] >= 2) < 60, (name, salts)  # random keys: 10-20
+            assert keymap.lookup(keys).tolist() == list(range(2000)), name
 
 
 def test_keys_are_a_uint64_pair_array_and_other_views_of_them_are_read_right():
