@@ -309,23 +309,13 @@ class CudaTransfer:
             elif table.min_width >= copy_engines.MIN_ROW_BYTES:
                 self._run(table, entry_rows, addresses, to_slots, direction, engines=True)
             elif not self._staged(table, entry_rows, addresses, chosen, to_slots, direction):
-                # entries of long and short rows: the long ones on the engines, if they take them
-                rest = short if short is not None and self._long_rows_on_engines(
-                    table, entry_rows, addresses, to_slots, direction) else table
+                # entries of long and short rows (a Qwen3-Next checkpoint: 2 MiB recurrent
+                # states beside 48 KiB conv states, 74 MiB, too long to stage): the long
+                # rows on the engines if they take them, the rest by the launch
+                long = table.host[:, table.host[2] >= copy_engines.MIN_ROW_BYTES]
+                rest = short if short is not None and self._rows_on_engines(
+                    long, entry_rows, addresses, to_slots, direction) else table
                 self._run(rest, entry_rows, addresses, to_slots, direction)
-
-    def _long_rows_on_engines(self, table: Any, rows: np.ndarray, addresses: np.ndarray,
-                              to_slots: bool, direction: str) -> bool:
-        """Queue the rows of copy_engines.MIN_ROW_BYTES and more on the copy engines (a
-        Qwen3-Next checkpoint: 2 MiB recurrent states beside 48 KiB conv states, 74 MiB an
-        entry, too long to stage); False, with nothing queued, if the driver refused them.
-        The caller copies the shorter rows."""
-        if not self._engines:
-            return False
-        long = table.host[2] >= copy_engines.MIN_ROW_BYTES
-        worker, slots, sizes = copy_engines.row_addresses(table.host[:, long], rows, addresses)
-        dst, src = (slots, worker) if to_slots else (worker, slots)
-        return self._on_engines(dst, src, sizes, direction)
 
     def _staged(self, table: Any, rows: np.ndarray, addresses: np.ndarray,
                 parts: Sequence[SlabPart], to_slots: bool, direction: str) -> bool:
@@ -421,11 +411,8 @@ class CudaTransfer:
         launch."""
         from tiercache.kernels import copy_rows  # Triton only where there is a GPU
         stream = self._streams[direction]
-        if engines and self._engines:
-            worker, slots, sizes = copy_engines.row_addresses(table.host, rows, addresses)
-            dst, src = (slots, worker) if to_slots else (worker, slots)
-            if self._on_engines(dst, src, sizes, direction):
-                return
+        if engines and self._rows_on_engines(table.host, rows, addresses, to_slots, direction):
+            return
         meta = np.empty((2, len(rows)), np.int64)
         meta[0], meta[1] = rows, addresses
         with torch.cuda.stream(stream), trace.gpu(direction, stream):
@@ -434,6 +421,17 @@ class CudaTransfer:
             # the last one was still in use by a copy in flight)
             on_device = torch.from_numpy(meta).to(self.device, non_blocking=True)
             copy_rows(table, on_device[0], on_device[1], to_slots)  # on the current stream
+
+    def _rows_on_engines(self, host_table: np.ndarray, rows: np.ndarray, addresses: np.ndarray,
+                         to_slots: bool, direction: str) -> bool:
+        """Queue row rows[i] of every buffer of `host_table` (BufferTable.host's columns) to
+        (or from) the slot at addresses[i] on the copy engines; False, with nothing queued,
+        where the driver has none or refused them."""
+        if not self._engines:
+            return False
+        worker, slots, sizes = copy_engines.row_addresses(host_table, rows, addresses)
+        dst, src = (slots, worker) if to_slots else (worker, slots)
+        return self._on_engines(dst, src, sizes, direction)
 
     def _on_engines(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
                     direction: str) -> bool:
