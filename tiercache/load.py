@@ -193,7 +193,7 @@ class Loads:
                 return None
             slots[from_disk[:len(promo)]] = promo
         here = slots >= 0
-        parts = _parts(pool, slots if here.all() else slots[here], here)
+        parts = _parts(pool, slots[here], here)
         if len(found.device_slots):
             parts += _parts(self.books.device.pool(nbytes), found.device_slots, found.on_device)
         if staging is not None:
