@@ -11,9 +11,8 @@
    mixing (multiply-shift alone), a run of keys n * d maps onto a run of slots n * c for
    some salts: keys (n << 40, n) or (n, 2^63 - n) for n < 2,000 made runs of 90-400
    occupied slots in about one table of a hundred, where random keys make 10-20. Every
-   function works on
-   a whole batch with the GIL held: a 32k-token prompt's 2,048 keys take a few
-   microseconds, less than releasing and taking it back. */
+   function works on a whole batch with the GIL held: a 32k-token prompt's 2,048 keys
+   take a few microseconds, less than releasing and taking it back. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
