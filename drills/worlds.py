@@ -48,3 +48,14 @@ def slot_bytes(buffers: WorkerBuffers, slot: int) -> list[torch.Tensor]:
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def cpu_device_tier(engine, budget_bytes: int, slab_bytes: int):
+    """Give `engine` a device tier in CPU memory (the same SlotArena and copy path between
+    arenas as a GPU's), with CPU workers taken to be on its device: the device tier's
+    logic without a GPU. Returns the engine."""
+    from tiercache.tiers.arena import SlotArena
+    from tiercache.tiers.device import DeviceMemory
+    engine.books.attach_device(SlotArena(budget_bytes, slab_bytes, DeviceMemory(torch.device("cpu"), ())))
+    engine.mover.device_transfer = engine.transfer
+    return engine

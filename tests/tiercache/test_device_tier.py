@@ -9,14 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
-from drills.worlds import hybrid_layout, page_bytes, prompt_keys, random_buffers, same, slot_bytes
+from drills.worlds import (cpu_device_tier, hybrid_layout, page_bytes, prompt_keys, random_buffers,
+                          same, slot_bytes)
 from tiercache.engine import Engine, EngineConfig
 from tiercache.policy import PolicyConfig, WriteConfig
 from tiercache.results import Tier
-from tiercache.tiers.arena import SlotArena
-from tiercache.tiers.device import DeviceMemory
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
 
@@ -31,9 +29,7 @@ def engine_with_a_device_tier(tmp_path, writes: str, host_slab: int | None = Non
         host=host if host_slab is None else dataclasses.replace(host, slab_bytes=host_slab),
         disk=DiskConfig(str(tmp_path), map_size=1 << 26, sync=False),
         policy=PolicyConfig(writes=WriteConfig(host=writes))))
-    engine.books.attach_device(SlotArena(2 * PROMPT, PROMPT // 2, DeviceMemory(torch.device("cpu"), ())))
-    engine.mover.device_transfer = engine.transfer  # CPU workers are "on the device"
-    return engine
+    return cpu_device_tier(engine, 2 * PROMPT, PROMPT // 2)
 
 
 @pytest.mark.parametrize("writes", ["back", "through"])

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from drills.worlds import hybrid_layout, page_bytes, prompt_keys, random_buffers, same, slot_bytes
+from drills.worlds import (cpu_device_tier, hybrid_layout, page_bytes, prompt_keys, random_buffers,
+                          same, slot_bytes)
 from tiercache import failpoints
 from tiercache.engine import Engine, EngineConfig
 from tiercache.errors import DeadlineExceeded, ResourceExhausted
@@ -20,8 +21,6 @@ from tiercache.invariants import violations
 from tiercache.layout import BufferSpec, Layout
 from tiercache.results import Kind
 from tiercache.store import _parts
-from tiercache.tiers.arena import SlotArena
-from tiercache.tiers.device import DeviceMemory
 from tiercache.tiers.host import HostConfig
 
 PAGES = 3000  # parts of 512, 1,024 and 1,464 keys
@@ -179,9 +178,9 @@ def test_slots_reserved_beside_an_eviction_that_fails_to_move_its_victims_go_bac
 def test_a_device_tier_store_is_one_launch_per_group_and_waits_once_both_are_launched():
     layout = hybrid_layout(page_rows=2 * PAGES, slot_rows=4)
     prompt = PAGES * layout.page_bytes + layout.checkpoint_bytes
-    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=2 * prompt, pin=False)))
-    engine.books.attach_device(SlotArena(2 * prompt, prompt, DeviceMemory(torch.device("cpu"), ())))
-    transfer = engine.mover.device_transfer = engine.transfer  # CPU workers are "on the device"
+    engine = cpu_device_tier(Engine.open(EngineConfig(host=HostConfig(budget_bytes=2 * prompt, pin=False))),
+                             2 * prompt, prompt)
+    transfer = engine.transfer
     source = random_buffers(layout, seed=8)
     steps, gather, fence = [], transfer.gather, transfer.fence
 
