@@ -7,14 +7,16 @@ by one Triton launch from the GPU); load = daemon -> other scattered rows. Besid
 the same run, right after each row size: one bulk pinned `copy_` of the same byte count
 each way (the PCIe limit, its best of 9; ours are medians), and a per-row `copy_` loop
 (the naive peer). Times are wall times at the worker, RPC included, until the bytes are
-in place: a load as workers call it by default (the daemon replies once the copy is
-queued, and the worker's stream waits for it; the benchmark then waits for the stream),
-and beside it a load the daemon waits for before it replies (`synchronous=True`).
+in place: loads and stores as workers call them by default (the daemon replies once the
+copy is queued, and the worker's stream waits for it; the benchmark then waits for the
+stream), and beside them a load the daemon waits for before it replies
+(`synchronous=True`).
 
 Then a 32k-token prefix of a Qwen3-Next-shaped layout (12 attention layers x K, V with 2
 KV heads x 256 dims in bf16, pages of 16 tokens; 36 GDN layers with a 32x128x128 fp32
-recurrent state and an 8192x3 bf16 conv state): the time until the worker may reuse its
-rows after Store (the daemon's device tier takes the bytes device to device), beside one
+recurrent state and an 8192x3 bf16 conv state): the time until the worker's rows are
+copied out by Store (the daemon's device tier takes the bytes device to device; the
+worker's stream could write them again from the reply on), beside one
 device-to-device copy of the same bytes; and the reload time from the device tier (right
 behind the store, while the daemon copies its entries down to the host, and again once
 it is idle) and from the host tier, beside a device-to-device copy and a bulk pinned copy;
@@ -105,8 +107,9 @@ def ours(address: str, row_bytes: int) -> tuple[float, float, float, float, floa
     src, dst = order[:pages], order[pages:]
     keys = worker.keys(np.random.default_rng(row_bytes).integers(0, 150_000, pages * 16).tolist())
 
-    def store():
+    def store():  # until the copy is done: the worker's stream waits for it from the reply on
         assert worker.store(keys=keys, kv_rows=src).stored == pages
+        torch.cuda.current_stream().synchronize()
 
     def load():  # a worker's default: the reply comes while the copy runs, its stream waits
         assert worker.load(keys=keys, kv_rows=dst).match.pages == pages
@@ -175,9 +178,10 @@ def prefix_32k(address: str) -> dict[str, float]:
     nbytes = pages * layout.page_bytes + layout.checkpoint_bytes
     src, dst = list(range(pages)), list(range(pages, 2 * pages))
 
-    def store():
+    def store():  # until the copies are done, as above
         stored = worker.store(keys=keys, kv_rows=src, checkpoints={32768: 0})
         assert stored.stored == pages + 1, stored
+        torch.cuda.current_stream().synchronize()
 
     def reload():  # until the bytes are in place: the worker's stream waits for the copy
         worker.load(keys=keys, kv_rows=dst, slot=1)
@@ -201,7 +205,7 @@ def prefix_32k(address: str) -> dict[str, float]:
     rpc_s = _empty_rpc_ms(address) / 1e3  # the least any call through gRPC to the daemon takes
     print_table(f"32k-token Qwen3-Next-shaped prefix ({nbytes / MiB:.0f} MiB: KV pages + one checkpoint)",
                 ["operation", "ms", "peer", "peer ms", "ours / peer"],
-                [("store, rows reusable", store_s * 1e3, "d2d copy", d2d_s * 1e3, store_s / d2d_s),
+                [("store, rows copied out", store_s * 1e3, "d2d copy", d2d_s * 1e3, store_s / d2d_s),
                  ("reload from device, behind its store", device_s * 1e3, "d2d copy", d2d_s * 1e3,
                   device_s / d2d_s),
                  ("reload from device, idle daemon", idle_s * 1e3, "d2d copy", d2d_s * 1e3, idle_s / d2d_s),

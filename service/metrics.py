@@ -105,6 +105,9 @@ METRICS = {m.name: m for m in (
     Metric("promotions", "counter", "Disk entries copied up into the host tier."),
     Metric("prefetches", "counter", "Disk entries a Match asked to promote ahead of its Load."),
     Metric("promotion_waits", "counter", "Loads that waited for a promotion in flight."),
+    Metric("unpublished_stores", "counter", "Stores that replied once their copies were "
+           "queued, whose entries could not be published after (a copy failed, or the daemon "
+           "closed): their entries are misses."),
     Metric("eviction_regrets", "counter", "Evicted entries that were stored again soon after "
            "(they tune FLOP-aware eviction)."),
     Metric("checksum_failures", "counter", "Disk entries whose checksum failed when read: dropped, "
@@ -154,6 +157,7 @@ _PLAIN = {"matches": "matches", "match_requested_pages": "requested_pages", "loa
           "copies_down": "copied_down",
           "promotions": "promoted", "prefetches": "prefetches",
           "promotion_waits": "promotion_waits", "eviction_regrets": "regrets",
+          "unpublished_stores": "unpublished_stores",
           "checksum_failures": "checksum_failures", "collisions": "collisions",
           "foreign_entries": "foreign_entries", "disk_write_errors": "disk_write_errors",
           "disk_moved_aside": "disk_moved_aside", "kv_event_batches": "kv_event_batches",

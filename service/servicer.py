@@ -26,18 +26,18 @@ from tiercache.wire import (load_to_proto, match_to_proto, store_to_proto, tier_
                             tier_stats_to_proto)
 
 
-def _event(handle: bytes, worker: Registration) -> torch.cuda.Event | None:
+def _event(handle: bytes, worker: Registration, field: str = "ready_event") -> torch.cuda.Event | None:
     """The worker's interprocess CUDA event named by `handle`, if any, opened once per
     registration (its client reuses a few: tiercache/client.py)."""
     if not handle:
         return None
     device = worker.buffers.device if worker.buffers is not None else None
     if device is None or device.type != "cuda":
-        raise InvalidArgument("ready_event is for workers whose buffers are on a GPU")
+        raise InvalidArgument(f"{field} is for workers whose buffers are on a GPU")
     try:
         return worker.events.open(device, handle)
     except RuntimeError as error:
-        raise InvalidArgument(f"ready_event is not a CUDA IPC event handle: {error}") from None
+        raise InvalidArgument(f"{field} is not a CUDA IPC event handle: {error}") from None
 
 
 _DONE_EVENTS = 4  # events a worker's asynchronous loads hand back, in turn
@@ -208,7 +208,8 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                                            ready=_event(request.ready_event, worker), checks=checks,
                                            alive=lambda: _waiting(context), durable=request.durable,
                                            timeout=context.time_remaining(), remote=shared,
-                                           first_page=request.first_page)
+                                           first_page=request.first_page,
+                                           done_event=_event(request.done_event, worker, "done_event"))
             return store_to_proto(result)
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:

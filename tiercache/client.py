@@ -20,7 +20,9 @@ The ranks of a tensor-parallel group register with `group=GroupMember(...)` and 
 one (tiercache.group). Their copies are ordered with the worker's current CUDA stream in both
 directions, without host synchronisation: the daemon starts after an event recorded on
 that stream, and a load returns at once with the stream already waiting on the event
-that marks the bytes in place (pass `synchronous=True` to wait on the host instead).
+that marks the bytes in place; so does a store through a daemon, with the stream waiting
+until the rows are copied out (pass `synchronous=True` to either to wait on the host
+instead). A call made after a store returns sees its entries either way.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class Backend(Protocol):
     def match(self, prompt: Request, prefetch: bool) -> Match: ...
     def load(self, prompt: Request, rows: np.ndarray, slot: int | None, synchronous: bool) -> LoadResult: ...
     def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
-              durable: bool, ready: Any = None) -> StoreResult: ...
+              durable: bool, ready: Any = None, synchronous: bool = False) -> StoreResult: ...
     def evict(self, prompt: Request, tier: Tier | None) -> int: ...
     def connected(self) -> bool: ...
     def close(self) -> None: ...
@@ -117,12 +119,17 @@ class Worker:
 
     def store(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
               checkpoints: Mapping[int, int] | None = None, durable: bool = False,
-              ready: Any = None, publish_tokens: bool = False, first_page: int = 0) -> StoreResult:
+              ready: Any = None, publish_tokens: bool = False, first_page: int = 0,
+              synchronous: bool = False) -> StoreResult:
         """Store the prompt's pages from kv_rows and the checkpoints offered, {token position:
         state slot}, each position a multiple of the page size. With `durable`, return only
         once they are committed to disk (they survive the daemon crashing). GPU workers
         may pass `ready`, an interprocess CUDA event recorded after the rows were written
         (a store from another thread); by default one is recorded on the current stream.
+        On a GPU, through a daemon, the store returns once its copies are queued, with
+        the current stream waiting until they are done, so the rows may be written again
+        on that stream at once (on another, after it): whatever the store returns or
+        raises. With `synchronous`, it returns once the rows are copied out.
         With `publish_tokens`, the daemon's KV events carry the prompt's tokens (routers
         such as llm-d's indexer hash tokens themselves; without them, events carry keys).
 
@@ -147,7 +154,7 @@ class Worker:
             cut = first_page if tokens is not None else 0
             request = replace(request, keys=request.keys[16 * cut:], checks=request.checks[8 * cut:],
                               tokens=request.tokens[4 * page * cut:], first_page=first_page)
-        return self._backend.store(request, _row_array(kv_rows), pages, durable, ready)
+        return self._backend.store(request, _row_array(kv_rows), pages, durable, ready, synchronous)
 
     def evict(self, tokens: Any = None, *, keys: Keys | Chain | None = None,
               tier: Tier | None = None) -> int:
@@ -234,12 +241,12 @@ class _Remote:
         return result
 
     def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
-              durable: bool, ready: Any = None) -> StoreResult:
-        with self._events.marked(ready) as handle:
+              durable: bool, ready: Any = None, synchronous: bool = False) -> StoreResult:
+        with self._events.marked(ready) as handle, self._events.awaited(not synchronous) as done:
             request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
                                       durable=durable, event_tokens=prompt.tokens,
                                       first_page=prompt.first_page, ready_event=handle,
-                                      **_rows_fields(rows, self._packed),
+                                      done_event=done, **_rows_fields(rows, self._packed),
                                       checkpoints=[pb.Checkpoint(pages=n, slot=s)
                                                    for n, s in sorted(checkpoints.items())])
             return store_from_proto(_rpc(lambda: self._stub.Store(request, **self._call)))
@@ -377,6 +384,27 @@ class _Events:
         if given is not None or self._device is None:
             yield given.ipc_handle() if given is not None else b""
             return
+        with self._taken() as (_, handle):
+            yield handle
+
+    @contextmanager
+    def awaited(self, wanted: bool = True) -> Iterator[bytes]:
+        """The handle of an event for the daemon to record after the copies of a call that
+        replies before they are done (b"" without a GPU, or if not `wanted`). When the
+        block ends, however it ends, the current stream waits on the event's latest
+        record: the daemon's, or this one's, a wait for nothing, if it recorded none."""
+        if not wanted or self._device is None:
+            yield b""
+            return
+        with self._taken() as (event, handle):
+            try:
+                yield handle
+            finally:
+                torch.cuda.current_stream(self._device).wait_event(event)
+
+    @contextmanager
+    def _taken(self) -> Iterator[tuple[torch.cuda.Event, bytes]]:
+        """A free event of this worker's, recorded on the current stream, and its handle."""
         with self._lock:
             event, handle = self._free.pop() if self._free else (None, b"")
         if event is None:
@@ -384,7 +412,7 @@ class _Events:
         event.record(torch.cuda.current_stream(self._device))
         handle = handle or event.ipc_handle()
         try:
-            yield handle
+            yield event, handle
         finally:
             with self._lock:
                 self._free.append((event, handle))
@@ -413,7 +441,8 @@ class _Embedded:
         return result
 
     def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
-              durable: bool, ready: Any = None) -> StoreResult:
+              durable: bool, ready: Any = None, synchronous: bool = False) -> StoreResult:
+        """In process, a store always returns once the rows are copied out."""
         device = self._buffers.device if self._buffers.device.type == "cuda" else None
         ready = ready if ready is not None else _ready_event(device)
         return self._engine.store(self._buffers, prompt.keys, rows, checkpoints,

@@ -49,6 +49,7 @@ class Counters:
     prefetches: int = 0
     promotion_waits: int = 0
     regrets: int = 0  # evicted entries stored again soon after (FLOP-aware tuning)
+    unpublished_stores: int = 0  # stores that replied with copies queued, then failed to publish
     evicted: dict[tuple[Tier, EvictReason], int] = field(
         default_factory=lambda: {(t, r): 0 for t in TIERS for r in EvictReason})
 

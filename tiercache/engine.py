@@ -6,7 +6,8 @@ move bytes outside it: stores (store.py), loads (load.py), promotions (promotion
 and the background thread with the moves between tiers (background.py). The index only
 ever shows committed bytes (invariant 1), a load delivers its whole match or fails as a
 whole (invariant 2), and entries a load or a move reads are pinned until it ends
-(invariant 3).
+(invariant 3). A store may reply before its copies are done and publish after
+(store.py); every call here first settles the stores that replied before it began.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class Engine:
         """Wait until the background work asked for so far is done: after a write-through
         store, its entries are on disk when this returns; so are promotions a match started."""
         self.books.check_open()
+        self.stores.publishing.settle()
         self.background.drain()
         if self.remote is not None:  # and, with a remote tier, the stores written to it
             self.remote.drain()
@@ -147,6 +149,7 @@ class Engine:
         """Write every host entry that is not on disk yet to disk (they stay in the host).
         Returns how many the background writer wrote meanwhile; without a disk tier, 0."""
         self.books.check_open()
+        self.stores.publishing.settle()
         return self._flush()
 
     def _flush(self) -> int:
@@ -168,6 +171,7 @@ class Engine:
         """Flush the host tier to disk (unless told not to), stop the background thread and
         release everything. Calls made from now on fail: the index would name bytes that
         are gone. Stores still running when close begins are flushed too."""
+        self.stores.publishing.settle()
         with self.books.lock:
             if self.books.closing:
                 return
@@ -180,6 +184,7 @@ class Engine:
                     break
                 time.sleep(0.001)
         finally:
+            self.stores.publishing.close()  # stores that replied before close publish
             if self.remote is not None:  # its writer reads host slots: before they go
                 self.remote.close()
             self.background.stop()
@@ -210,6 +215,7 @@ class Engine:
 
     def quiesce(self, buffers: WorkerBuffers) -> None:
         """Return once no copy of this engine touches `buffers` (before they are unmapped)."""
+        self.stores.publishing.settle()
         transfer = self._transfer_for(buffers)
         transfer.synchronize()
         transfer.forget(buffers.paged)
@@ -221,13 +227,17 @@ class Engine:
               checkpoints: Mapping[int, int] | None = None, ready: Any = None, *,
               checks: np.ndarray | None = None, alive: Callable[[], bool] | None = None,
               durable: bool = False, timeout: float | None = None,
-              remote: bool = True, first_page: int = 0) -> StoreResult:
+              remote: bool = True, first_page: int = 0, done_event: Any = None) -> StoreResult:
         """Store a prompt after prefill: its KV pages (keys[i] from rows[i]; none for a
         layout without paged buffers) and, of the checkpoints offered, {pages: state slot}
         (each the state after that many pages), those the admission policy keeps. The
         result names the checkpoints now cached. On a GPU, copies start after `ready` (an
         event the worker recorded after writing the rows); the call returns when the
-        worker may reuse its rows.
+        worker may reuse its rows. With `done_event` (an event of the worker's, not
+        for a durable store), it returns once the copies are queued and records the event
+        after them: the worker's stream waits on it before it writes the rows again. The
+        entries are published when the copies are done, before any later call to this
+        engine begins (store.py).
 
         `first_page`: the keys are pages first_page+1.. of the prompt, after a hit of
         first_page pages that ends at a checkpoint (a store that adds to what a load
@@ -246,10 +256,11 @@ class Engine:
         `first_page`: the keys are pages first_page+1.. of the prompt (a store that adds to
         a hit sends only what it adds; see Worker.store); checkpoints still count pages from
         the start of the prompt."""
+        self.stores.publishing.settle()
         with trace.span("prepare"):
             job = self.stores.job(buffers, keys, rows, checkpoints, self._transfer_for(buffers), ready,
                                   checks, alive, durable, first_page,
-                                  shared=remote and self.remote is not None)
+                                  shared=remote and self.remote is not None, done=done_event)
         result = self.stores.store(job, timeout)
         if job.shared and self.remote.config.writes == "through":
             if buffers.layout.needs_pages:
@@ -264,6 +275,7 @@ class Engine:
         """Store the KV pages of a prompt: keys[i] (page i+1 of the chain) from rows[i]."""
         if not buffers.layout.needs_pages:
             raise InvalidArgument("this layout has no paged buffers: store a checkpoint instead")
+        self.stores.publishing.settle()
         chain = distinct_keys(keys)
         job = StoreJob(buffers, chain, page_rows(buffers, chain, rows), {},
                        self._transfer_for(buffers), ready)
@@ -275,6 +287,7 @@ class Engine:
         admission applies to the checkpoints `store` is offered)."""
         if not buffers.layout.needs_checkpoint:
             raise InvalidArgument("this layout has no slot buffers: it has no checkpoints")
+        self.stores.publishing.settle()
         chain = distinct_keys(keys)
         if not len(chain):
             raise InvalidArgument("a checkpoint needs the page keys of its prefix, got none")
@@ -290,6 +303,7 @@ class Engine:
         if given). With `prefetch`, the background thread starts promoting its disk entries
         to the host, so that the load that follows finds them there (a load of an entry
         still moving waits for it)."""
+        self.stores.publishing.settle()
         chain = distinct_keys(keys)
         checks = checks_of(checks, chain)
         self.loads.reap()
@@ -305,6 +319,7 @@ class Engine:
                     checks: np.ndarray | None = None) -> Match:
         """The longest prefix that every member of a group can load (tiercache.joint):
         each member's layout and its keys for the same prompt (same page size)."""
+        self.stores.publishing.settle()
         parts = [Member(distinct_keys(keys), layout.page_bytes, layout.checkpoint_bytes)
                  for layout, keys in members]
         self.loads.reap()
@@ -335,6 +350,7 @@ class Engine:
         stream waits on (`done_event`, if the caller gives one to record again, instead of a
         new interprocess event); the entries stay pinned until the copies are done.
         With `checks`, only entries stored with the same checks hit (see `store`)."""
+        self.stores.publishing.settle()
         keys, layout = distinct_keys(keys), buffers.layout
         checks = checks_of(checks, keys)
         fetched = np.empty(0, np.int64)
@@ -357,6 +373,7 @@ class Engine:
         """Copy the disk-only entries of the hybrid match of `keys` into the host tier, so a
         load that follows finds them there. Returns how many entries moved, or, without
         `wait`, how many the background thread was asked to move."""
+        self.stores.publishing.settle()
         hit = self.books.match(layout, distinct_keys(keys), pin=wait)
         if self.disk is None or hit.match.pages == 0:
             if wait and hit.match.pages:
@@ -377,6 +394,7 @@ class Engine:
         (every tier if None); entries a load is reading stay. Evicting from the device tier
         alone moves entries down: those without a host copy get one first. Returns how
         many entries were dropped from at least one tier."""
+        self.stores.publishing.settle()
         present = [Tier.DEVICE] * (self.books.device is not None) + [Tier.HOST, Tier.DISK]
         tiers = [t for t in present if tier is None or t == tier]
         if tiers == [Tier.DEVICE]:
@@ -388,6 +406,7 @@ class Engine:
         return dropped
 
     def stats(self) -> EngineStats:
+        self.stores.publishing.settle()
         stats = self.books.stats(self.traffic.snapshot())
         if self.remote is not None:
             stats.counters.update(self.remote.stats())

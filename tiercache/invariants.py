@@ -27,6 +27,7 @@ from tiercache.tiers.arena import SlotArena
 
 
 def violations(engine: Engine) -> list[str]:
+    engine.stores.publishing.settle()  # stores that replied before their copies were done
     engine.background.drain()
     if engine.remote is not None:  # its writer pins what it reads, like the disk writer
         engine.remote.drain()

@@ -6,10 +6,20 @@ what an eviction displaced, outside the lock), copies the rows in batches and pu
 each batch once its bytes are all there (invariant 1). Device-tier workers store device
 to device and the background copies the entries down to the host; a durable store then
 waits until every entry is committed to disk.
+
+A GPU worker's store may hand over an event of its own (`StoreJob.done`): the store then
+returns once its copies are queued, recording the event after them (the worker's stream
+waits on it before it writes the rows again), and its entries are published when the
+copies are done, by a thread of their own (`Publishing`). Every call into the engine
+first waits until the stores that returned before it began are published, so a call
+made after a store's reply sees its entries, as if the store had waited.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
+import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -19,7 +29,7 @@ import numpy as np
 
 from tiercache import failpoints, trace
 from tiercache.admission import admit, entry_values
-from tiercache.background import Background, Mover
+from tiercache.background import Background, Mover, Runner
 from tiercache.books import Books, Claim
 from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -32,6 +42,7 @@ from tiercache.room import Displaced
 from tiercache.transfer import Transfer
 
 Alive = Callable[[], bool]
+log = logging.getLogger("tiercache.store")
 
 
 @dataclass(frozen=True)
@@ -49,9 +60,11 @@ class StoreJob:
     pins: list[np.ndarray] | None = None  # a durable store pins what it publishes or finds
     first: int = 0  # the chain is pages first+1.. of the prompt
     shared: bool = False  # its new entries may go to the remote tier when they leave
+    done: Any = None  # the worker's event to record after the copies: return once queued
 
     def again(self, depths: np.ndarray) -> "StoreJob":
-        """This store once more, for the checkpoints at `depths` only (pages all again)."""
+        """This store once more, for the checkpoints at `depths` only (pages all again),
+        waited for (a durable store's)."""
         return StoreJob(self.buffers, self.chain, self.src, {d: self.slots[d] for d in depths.tolist()},
                         self.transfer, None, self.checks, self.alive, self.pins, self.first,
                         self.shared)
@@ -75,13 +88,15 @@ class Stores:
         self.background = background
         self.traffic = traffic
         self.admission = admission
+        self.publishing = Publishing(books)
 
     def job(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],
             checkpoints: Mapping[int, int] | None, transfer: Transfer, ready: Any,
             checks: np.ndarray | None, alive: Alive | None, durable: bool,
-            first: int = 0, shared: bool = False) -> StoreJob:
+            first: int = 0, shared: bool = False, done: Any = None) -> StoreJob:
         """Check a store's input and keep the checkpoints admission picks of those offered.
-        With `first`, the keys are pages first+1.. and checkpoints still count from page 1."""
+        With `first`, the keys are pages first+1.. and checkpoints still count from page 1.
+        `done` is ignored for a durable store, which returns once on disk anyway."""
         layout, chain = buffers.layout, distinct_keys(keys)
         checks = checks_of(checks, chain)
         offered = dict(checkpoints or {})
@@ -105,7 +120,8 @@ class Stores:
         if durable and self.books.disk is None:  # before any copying
             raise FailedPrecondition("durable stores need a disk tier: start the daemon with one")
         return StoreJob(buffers, chain, src, {n: slots[n] for n in kept.tolist()}, transfer, ready,
-                        checks, alive, [] if durable else None, first, shared)
+                        checks, alive, [] if durable else None, first, shared,
+                        None if durable else done)
 
     def store(self, job: StoreJob, timeout: float | None = None) -> StoreResult:
         try:
@@ -131,35 +147,36 @@ class Stores:
         page_values, end_values = entry_values(layout, first + len(job.chain), ends)
         page_values = page_values[first:]
         published: dict[Tier, list[np.ndarray]] = {}
+        flights: list[_Flight] = []
         pages = checkpoints = None
         try:
-            with ExitStack() as flights:  # each closed, whatever another's close raised
-                if job.src is not None:
-                    pages = self._launch(job, Group.pages(job.buffers, job.transfer), job.chain,
-                                         np.arange(first + 1, first + len(job.chain) + 1), job.src,
-                                         page_values, stamp, job.checks, published)
-                    flights.callback(pages.close)
-                    if pages.found_no_room():  # the checkpoint would stand on no pages
-                        pages.result(len(job.chain))  # raises
-                elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
-                    self.books.raise_values(Kind.PAGE, job.chain, page_values)
-                if len(depths):
-                    checkpoints = self._launch(job, Group.checkpoints(job.buffers, job.transfer),
-                                               job.chain[local], depths,
-                                               np.array([job.slots[d] for d in depths.tolist()], np.int64),
-                                               end_values[np.searchsorted(ends, depths)], stamp,
-                                               None if job.checks is None else job.checks[local],
-                                               published)
-                    flights.callback(checkpoints.close)
-                for flight in (pages, checkpoints):
-                    if flight is not None:
-                        flight.finish()
-        finally:
-            # copies down and to disk start once the store is done: launched between its
-            # copies, they would take the GPU's SMs and the GIL from the copies that follow
-            for tier, rows in published.items():
-                (self.background.stored_on_device if tier == Tier.DEVICE else self.background.stored)(
-                    np.concatenate(rows))
+            if job.src is not None:
+                pages = self._launch(job, Group.pages(job.buffers, job.transfer), job.chain,
+                                     np.arange(first + 1, first + len(job.chain) + 1), job.src,
+                                     page_values, stamp, job.checks, published)
+                flights.append(pages)
+                if pages.found_no_room():  # the checkpoint would stand on no pages
+                    pages.result(len(job.chain))  # raises
+            elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
+                self.books.raise_values(Kind.PAGE, job.chain, page_values)
+            if len(depths):
+                checkpoints = self._launch(job, Group.checkpoints(job.buffers, job.transfer),
+                                           job.chain[local], depths,
+                                           np.array([job.slots[d] for d in depths.tolist()], np.int64),
+                                           end_values[np.searchsorted(ends, depths)], stamp,
+                                           None if job.checks is None else job.checks[local],
+                                           published)
+                flights.append(checkpoints)
+        except BaseException:
+            self._complete(flights, published, finish=False)
+            raise
+        if job.done is None:
+            self._complete(flights, published)
+        else:  # the worker's stream waits on `done`; the entries are published once copied
+            job.transfer.fence("store", into=job.done)
+            for flight in flights:
+                flight.replied = True
+            self.publishing.add(lambda: self._complete(flights, published))
         result = StoreResult(0, 0, 0)
         if pages is not None:
             result += pages.result(len(job.chain))[0]
@@ -167,6 +184,22 @@ class Stores:
             part, kept = checkpoints.result(len(depths))
             result += StoreResult(part.stored, part.present, part.skipped, tuple(depths[kept].tolist()))
         return result
+
+    def _complete(self, flights: list["_Flight"], published: dict[Tier, list[np.ndarray]],
+                  finish: bool = True) -> None:
+        """Publish what the flights copied (unless not to `finish`), close them (each,
+        whatever another's close raised), then start the copies down and to disk: launched
+        between a store's copies, they would take the GPU's SMs and the GIL from them."""
+        try:
+            with ExitStack() as closing:
+                for flight in flights:
+                    closing.callback(flight.close)
+                for flight in flights if finish else ():
+                    flight.finish()
+        finally:
+            for tier, rows in published.items():
+                (self.background.stored_on_device if tier == Tier.DEVICE else self.background.stored)(
+                    np.concatenate(rows))
 
     def _launch(self, job: StoreJob, group: Group, keys: np.ndarray, depths: np.ndarray,
                 src: np.ndarray, values: np.ndarray, stamp: int, checks: np.ndarray | None,
@@ -272,7 +305,9 @@ class _Batch:
 
 class _Flight:
     """The batches of one store's copies: launched in order on one stream, published
-    in order, each once its copy is done (invariant 1) and the caller still waits."""
+    in order, each once its copy is done (invariant 1) and the caller still waits or
+    the store replied with its copies queued (`replied`: the worker's stream waits for
+    them before it writes the rows again)."""
 
     def __init__(self, stores: Stores, job: StoreJob, group: Group, stamp: int, tier: Tier,
                  published: dict[Tier, list[np.ndarray]]) -> None:
@@ -283,6 +318,7 @@ class _Flight:
         self.full = False  # no room was found: the parts after are claimed and let go
         self.published = published  # rows by tier, for the background once the store is done
         self.last_done = 0.0
+        self.replied = False
 
     def copy(self, where: slice, claim: Claim, src: np.ndarray) -> None:
         """Launch the copies of a part's claimed entries, as far as room is found;
@@ -336,8 +372,8 @@ class _Flight:
 
     def finish(self, keep: int = 0) -> None:
         """Publish the batches launched first, all but the last `keep`, as their copies
-        complete. Nothing is published once the caller stopped waiting: its rows may hold
-        other bytes by then."""
+        complete. Nothing is published once the caller stopped waiting before a reply:
+        its rows may hold other bytes by then."""
         job, group = self.job, self.group
         while len(self.flying) > keep:
             batch, part = self.flying[0], self.flying[0].part
@@ -348,7 +384,7 @@ class _Flight:
                                        now - max(batch.started, self.last_done))
             self.last_done = now
             failpoints.hit("store.before_publish")
-            if job.alive is not None and not job.alive():
+            if job.alive is not None and not self.replied and not job.alive():
                 raise DeadlineExceeded("the call ended while its rows were being copied: "
                                        "the rest of the store was dropped")
             with trace.span("publish"):
@@ -380,17 +416,18 @@ class _Flight:
                 self.books.unclaim(self.group.kind, part.claim, part.published, todo - part.published)
 
     def result(self, count: int) -> tuple[StoreResult, np.ndarray]:
-        """The store's result and which of its `count` keys are cached now."""
+        """The store's result and which of its `count` keys are cached once what it
+        launched is published (finished, or replied)."""
         kept = np.ones(count, bool)
         stored = present = skipped = todo = 0
         for part in self.parts:
             claim, first = part.claim, part.where.start
-            kept[first + claim.todo[part.published:]] = False
+            kept[first + claim.todo[part.launched:]] = False
             kept[first + claim.clashes] = False
-            stored += part.published
+            stored += part.launched
             todo += len(claim.todo)
             present += part.where.stop - first - len(claim.todo) - len(claim.clashes)
-            skipped += len(claim.todo) - part.published + len(claim.clashes)
+            skipped += len(claim.todo) - part.launched + len(claim.clashes)
         if todo and not stored:
             tier, arena = self.tier, self.books.arena(self.tier)
             raise ResourceExhausted(
@@ -405,3 +442,52 @@ def page_rows(buffers: WorkerBuffers, chain: np.ndarray, rows: Sequence[int]) ->
     if len(src) != len(chain):
         raise InvalidArgument(f"got {len(chain)} page keys but {len(src)} kv rows: give one row per page")
     return src
+
+
+class Publishing:
+    """Stores that replied with their copies queued: each is completed (its entries
+    published, `Stores._complete`) in the order they replied, by a thread of its own as
+    soon as its copies are done, or by a call that begins after its reply (`settle`)."""
+
+    def __init__(self, books: Books) -> None:
+        self.books = books
+        self._queue: collections.deque[Callable[[], None]] = collections.deque()
+        self._added = self._completed = 0
+        self._lock = threading.Lock()  # the queue and its counts
+        self._turn = threading.Lock()  # held while one is completed: in order, once each
+        self._runner = Runner(self._step, "tiercache-publish")
+
+    def add(self, complete: Callable[[], None]) -> None:
+        with self._lock:
+            self._queue.append(complete)
+            self._added += 1
+        self._runner.start()
+        self._runner.kick()
+
+    def settle(self) -> None:
+        """Return once every store that replied before this call is completed."""
+        upto = self._added
+        while self._completed < upto and self._step():
+            pass
+
+    def close(self) -> None:
+        self.settle()
+        self._runner.stop()
+
+    def _step(self) -> bool:
+        with self._turn:
+            with self._lock:
+                if not self._queue:
+                    return False
+                complete = self._queue[0]
+            try:
+                complete()
+            except Exception as error:  # its entries stay unpublished: a miss, not a wrong hit
+                self.books.count("unpublished_stores", 1)
+                log.error("a store that had replied could not publish its entries (they were "
+                          "dropped): %s: %s", type(error).__name__, error)
+            finally:
+                with self._lock:
+                    self._queue.popleft()
+                    self._completed += 1
+        return True

@@ -8,6 +8,8 @@ roundtrip: CUDA buffers filled from SEED; PROMPTS prompts stored from some rows 
 checkpoint each) and loaded into other, poisoned rows; prints "ok PAGES TIERS" or "bad".
 stream: a large asynchronous load, read at once by a kernel on the same stream with no
 host synchronisation in between; prints "ok" if the kernel saw the loaded bytes.
+reuse: stores that return with their copies queued, each followed at once by new
+writes to the rows it read; prints "ok" if every entry holds the bytes from before.
 hold: stores one prompt, prints "stored", then waits to be killed.
 """
 
@@ -109,6 +111,29 @@ def ordered(address: str, seed: int) -> None:
     worker.close()
 
 
+def reuse(address: str, seed: int) -> None:
+    """Stores as workers call them by default (the reply comes once the copies are
+    queued, the stream waiting on their event), each followed at once by writes to the
+    same rows on the same stream, with no host sync: the entries must hold the bytes
+    from before those writes, and a load right after the reply must find them all."""
+    shape = layout(1 << 20, 16, rows=64)  # 16 MiB a page: copies that take long enough to race
+    worker, tensors = register(address, shape, seed)
+    good, rows = True, list(range(PAGES, 2 * PAGES))
+    source = {name: slice(0, PAGES) if name != "state" else slice(0, 1) for name in tensors}
+    target = {name: slice(PAGES, 2 * PAGES) if name != "state" else slice(1, 2) for name in tensors}
+    for n in range(4):
+        for name, t in tensors.items():
+            bits(t)[source[name]].fill_(n + 1)
+        stored = worker.store(prompt(20 + n), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
+        for name, t in tensors.items():  # written again at once: after the copies, or wrong
+            bits(t)[source[name]].fill_(0xEE)
+        result = worker.load(prompt(20 + n), kv_rows=rows, slot=1)
+        good &= stored.stored == PAGES + 1 and result.match.pages == PAGES and all(
+            bool((bits(t)[target[name]] == n + 1).all()) for name, t in tensors.items())
+    print("ok" if good else "bad", flush=True)
+    worker.close()
+
+
 def hold(address: str, seed: int) -> None:
     worker, _ = register(address, layout(4096, 4, rows=16), seed)
     worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
@@ -125,5 +150,7 @@ if __name__ == "__main__":
         stream(address, seed)
     elif mode == "ordered":
         ordered(address, seed)
+    elif mode == "reuse":
+        reuse(address, seed)
     else:
         hold(address, seed)

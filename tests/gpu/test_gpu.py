@@ -50,6 +50,13 @@ def test_stores_right_behind_their_writes_copy_the_written_bytes_every_time(tmp_
         assert finish(worker("ordered", address, "5")) == "ok"
 
 
+@pytest.mark.parametrize("tier", ["host", "device"])
+def test_rows_written_right_after_a_stores_reply_do_not_reach_its_entries(tmp_path, tier):
+    flags = ["--device-budget", "1GiB"] if tier == "device" else []
+    with running_daemon(tmp_path, "--host-budget", "2GiB", "--no-disk", *flags) as (address, _):
+        assert finish(worker("reuse", address, "6")) == "ok"
+
+
 def test_a_killed_worker_is_unmapped_and_others_are_served(tmp_path):
     with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, daemon):
         holder = worker("hold", address, "3")

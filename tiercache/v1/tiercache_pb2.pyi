@@ -226,7 +226,7 @@ class Checkpoint(_message.Message):
     def __init__(self, pages: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event", "checks", "durable", "event_tokens", "first_page", "kv_rows_packed")
+    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event", "checks", "durable", "event_tokens", "first_page", "kv_rows_packed", "done_event")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class StoreRequest(_message.Message):
     EVENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     kv_rows: _containers.RepeatedScalarFieldContainer[int]
@@ -247,7 +248,8 @@ class StoreRequest(_message.Message):
     event_tokens: bytes
     first_page: int
     kv_rows_packed: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., checks: _Optional[bytes] = ..., durable: _Optional[bool] = ..., event_tokens: _Optional[bytes] = ..., first_page: _Optional[int] = ..., kv_rows_packed: _Optional[bytes] = ...) -> None: ...
+    done_event: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., checks: _Optional[bytes] = ..., durable: _Optional[bool] = ..., event_tokens: _Optional[bytes] = ..., first_page: _Optional[int] = ..., kv_rows_packed: _Optional[bytes] = ..., done_event: _Optional[bytes] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored", "present", "skipped", "checkpoints")

@@ -206,16 +206,18 @@ def _load(members: Members, job: LoadJob) -> list[Any]:
 
 
 def _save(members: Members, shape: CacheShape, job: SaveJob, ready: Any) -> bool:
+    """Synchronous stores: vLLM may hand a job's blocks to another request, on a stream of
+    its own, once the job is reported saved."""
     ok = True
     for index, blocks in job.kv_blocks.items():
         result = members[index].store(keys=head(job.chain, len(blocks)), kv_rows=blocks,
-                                      ready=ready)
+                                      ready=ready, synchronous=True)
         ok &= result.skipped == 0 and result.stored + result.present == len(blocks)
     for index, states in job.states.items():
         for pages, block in states:  # each the end of its store: the daemon keeps it
             result = members[index].store(keys=head(job.chain, pages),
                                           checkpoints={pages * shape.block_size: block},
-                                          ready=ready)
+                                          ready=ready, synchronous=True)
             ok &= pages in result.checkpoints
     return ok
 
