@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 
@@ -51,6 +53,17 @@ def store_replied(engine, source, keys):
     return engine.store(source, keys, range(PAGES), {PAGES: 1}, done_event=object())
 
 
+@contextmanager
+def replied_and_held(engine, source, keys, seconds: float = 0.2) -> Iterator[None]:
+    """A store that replied, its publish held back for `seconds` from now."""
+    held = Held()
+    with failpoints.armed("store.before_publish", held):
+        store_replied(engine, source, keys)
+        assert held.reached.wait(10)
+        threading.Timer(seconds, held.go.set).start()
+        yield
+
+
 def test_a_call_after_the_reply_sees_the_entries():
     engine, source = open_engine(), random_buffers(LAYOUT, seed=1)
     keys = prompt_keys(LAYOUT, seed=1, pages=PAGES)
@@ -82,11 +95,7 @@ def test_calls_after_a_reply_settle_it_before_they_act():
     for call in ("evict", "stats", "store"):
         engine, source = open_engine(), random_buffers(LAYOUT, seed=3)
         keys = prompt_keys(LAYOUT, seed=3, pages=PAGES)
-        held = Held()
-        with failpoints.armed("store.before_publish", held):
-            store_replied(engine, source, keys)
-            held.reached.wait(10)
-            threading.Timer(0.2, held.go.set).start()
+        with replied_and_held(engine, source, keys):
             if call == "evict":
                 assert engine.evict(keys) == PAGES + 1
                 assert engine.match(LAYOUT, keys).pages == 0
@@ -120,11 +129,7 @@ def test_a_publish_that_fails_after_the_reply_leaves_nothing_behind():
 def test_close_publishes_and_flushes_the_stores_that_replied(tmp_path):
     engine, source = open_engine(tmp_path), random_buffers(LAYOUT, seed=5)
     keys = prompt_keys(LAYOUT, seed=5, pages=PAGES)
-    held = Held()
-    with failpoints.armed("store.before_publish", held):
-        store_replied(engine, source, keys)
-        held.reached.wait(10)
-        threading.Timer(0.2, held.go.set).start()
+    with replied_and_held(engine, source, keys):
         engine.close()
     reopened = open_engine(tmp_path)
     assert reopened.match(LAYOUT, keys).pages == PAGES
