@@ -8,11 +8,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/tiercache-site .whl/*.whl || exit 1
 fi
 ln -sfn "$PWD/service" /tmp/tiercache-site/tiercache_service
-# the package's C module (setup.py's extension), built in this tree for this Python by
+# the package's C modules (setup.py's extensions), built in this tree for this Python by
 # gcc itself: `setup.py build_ext` needs a setuptools new enough for pyproject's metadata
-python3 -c 'import subprocess, sysconfig as s; subprocess.run(["gcc", "-O2", "-shared", "-fPIC",
-  "-I" + s.get_paths()["include"], "tiercache/_keymap.c", "-o",
-  "tiercache/_keymap" + s.get_config_var("EXT_SUFFIX")], check=True)' || exit 1
+for module in _keymap _rows; do
+  python3 -c 'import subprocess, sys, sysconfig as s; subprocess.run(["gcc", "-O2", "-shared",
+    "-fPIC", "-I" + s.get_paths()["include"], f"tiercache/{sys.argv[1]}.c", "-o",
+    f"tiercache/{sys.argv[1]}" + s.get_config_var("EXT_SUFFIX")], check=True)' $module || exit 1
+done
 export PYTHONPATH="/tmp/tiercache-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no GPU here'" || exit 1

@@ -26,12 +26,12 @@ import ctypes
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from tiercache import copy_engines, trace
+from tiercache import _rows, copy_engines, trace
 from tiercache.tiers.arena import SlabPart
 
 log = logging.getLogger("tiercache")
@@ -54,54 +54,26 @@ class Transfer(Protocol):
     def close(self) -> None: ...
 
 
-def _by_slot(part: SlabPart, rows: np.ndarray) -> tuple[slice | np.ndarray, np.ndarray]:
-    """The part's slots, as a slice when they form a consecutive run, and the worker rows
-    in the same order."""
-    order = np.argsort(part.local, kind="stable")
-    local, rows = part.local[order], rows[part.positions][order]
-    if local.size and local[-1] - local[0] == local.size - 1:  # distinct, so a run
-        return slice(int(local[0]), int(local[-1]) + 1), rows
-    return local, rows
-
-
-def _gathers(buffers: Sequence[torch.Tensor], offsets: Sequence[int], rows: np.ndarray,
-             part: SlabPart) -> list[Callable[[], None]]:
-    """One copy per buffer of worker rows into the part's slots."""
-    slots, rows = _by_slot(part, rows)
-    index = torch.from_numpy(rows)
-
-    def copy(buffer: torch.Tensor, at: int) -> Callable[[], None]:
-        width = buffer.shape[1]
-        if isinstance(slots, slice):  # straight into the strided slice, one pass
-            return lambda: torch.index_select(buffer, 0, index, out=part.slab[slots, at:at + width])
-        return lambda: part.slab.numpy().__setitem__((slots, slice(at, at + width)),
-                                                     buffer.numpy()[rows])
-    return [copy(b, at) for b, at in zip(buffers, offsets)]
-
-
-def _scatters(part: SlabPart, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
-              rows: np.ndarray) -> list[Callable[[], None]]:
-    """One copy per buffer of the part's slots into worker rows."""
-    slots, rows = _by_slot(part, rows)
-    slab = part.slab.numpy()
-
-    def copy(buffer: torch.Tensor, at: int) -> Callable[[], None]:
-        # numpy scatters without the GIL: a few threads share the buffers
-        return lambda: buffer.numpy().__setitem__(rows, slab[slots, at:at + buffer.shape[1]])
-    return [copy(b, at) for b, at in zip(buffers, offsets)]
-
-
 INLINE_BYTES = 1 << 20  # CpuTransfer copies smaller batches on the calling thread
 
 
-def _bytes(parts: Sequence[SlabPart], buffers: Sequence[torch.Tensor]) -> int:
-    """The bytes a batch copies: its entries' rows of every buffer."""
-    return sum(len(p.local) for p in parts) * sum(b.shape[1] for b in buffers)
-
-
-def _run_all(copies: list[Callable[[], None]]) -> None:
-    for copy in copies:
-        copy()
+def _cpu_table(buffers: Sequence[torch.Tensor], offsets: Sequence[int], parts: Sequence[SlabPart],
+               rows: np.ndarray) -> np.ndarray:
+    """The table `_rows.copy_rows` reads (base, row stride, row bytes and offset in an
+    entry per uint8 [rows, row bytes] buffer, int64 4 x buffers), once every row and slot
+    of the batch is checked to lie inside its buffer or slab: the copy trusts them."""
+    table = np.array([[b.data_ptr() for b in buffers], [b.stride(0) for b in buffers],
+                      [b.shape[1] for b in buffers], list(offsets)], np.int64).reshape(4, -1)
+    if any(b.dtype != torch.uint8 or b.dim() != 2 for b in buffers):
+        raise ValueError("CPU row copies take uint8 [rows, row bytes] buffers")
+    ends = int((table[2] + table[3]).max(initial=0))
+    for part in parts:
+        if ends > part.slab.stride(0) or (len(part.local) and not (
+                0 <= part.local.min() and part.local.max() < part.slab.shape[0])):
+            raise ValueError("a slot or an entry's rows lie outside its slab")
+    if len(rows) and buffers and not (0 <= rows.min() and rows.max() < min(b.shape[0] for b in buffers)):
+        raise ValueError("a row lies outside the worker's buffers")
+    return table
 
 
 class CpuTransfer:
@@ -111,32 +83,43 @@ class CpuTransfer:
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
 
-    def _each(self, copies: list[Callable[[], None]], nbytes: int) -> None:
-        """Run `copies` (of `nbytes` in all) on the pool: one job per thread, each taking
-        every `threads`-th copy (a job per copy costs a hand-off each: ~0.1 of the
-        bandwidth at 16 KiB rows); a batch under INLINE_BYTES here (handing it to the pool
-        and waiting took ~0.1 ms on the 2-core machine, about what copying 1 MiB takes)."""
-        if len(copies) < 2 or self._threads < 2 or nbytes < INLINE_BYTES:
-            _run_all(copies)
+    def _copy(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int], rows: np.ndarray,
+              parts: Sequence[SlabPart], to_slots: bool) -> None:
+        """Copy every part's rows (tiercache/_rows.c), its entries split between the copy
+        threads; a batch under INLINE_BYTES on this thread (handing it to the pool and
+        waiting took ~0.1 ms on the 2-core machine, about what copying 1 MiB takes)."""
+        if not parts:
+            return
+        table = _cpu_table(buffers, offsets, parts, rows)
+        jobs = [(np.ascontiguousarray(rows[p.positions], np.int64), p.addresses()) for p in parts]
+        entries = sum(len(p.local) for p in parts)
+        threads = self._threads if entries * int(table[2].sum()) >= INLINE_BYTES else 1
+        # thread k takes the k-th run of each part's entries
+        shares = list(zip(*[zip(np.array_split(r, threads), np.array_split(a, threads)) for r, a in jobs]))
+
+        def run(share: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+            for entry_rows, addresses in share:
+                if len(entry_rows):
+                    _rows.copy_rows(table, entry_rows, addresses, to_slots)
+        if threads < 2:
+            run(shares[0])
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="tiercache-copy")
-        for future in [self._pool.submit(_run_all, copies[k::self._threads]) for k in range(self._threads)]:
+        for future in [self._pool.submit(run, share) for share in shares]:
             future.result()
 
     def gather(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
                rows: np.ndarray, parts: Sequence[SlabPart]) -> None:
         """For each part: part.slab[part.local[i], entry bytes of buffer b] =
         buffers[b][rows[part.positions[i]]]."""
-        self._each([copy for part in parts for copy in _gathers(buffers, offsets, rows, part)],
-                   _bytes(parts, buffers))
+        self._copy(buffers, offsets, rows, parts, to_slots=True)
 
     def scatter(self, parts: Sequence[SlabPart], buffers: Sequence[torch.Tensor],
                 offsets: Sequence[int], rows: np.ndarray) -> None:
         """For each part: buffers[b][rows[part.positions[i]]] = part.slab[part.local[i],
         entry bytes of buffer b]."""
-        self._each([copy for part in parts for copy in _scatters(part, buffers, offsets, rows)],
-                   _bytes(parts, buffers))
+        self._copy(buffers, offsets, rows, parts, to_slots=False)
 
     def copy_entries(self, parts: Sequence[SlabPart], addresses: np.ndarray) -> None:
         """Copy whole entries from arena slots (`parts`) to the slots at `addresses`, as
