@@ -106,8 +106,8 @@ METRICS = {m.name: m for m in (
     Metric("prefetches", "counter", "Disk entries a Match asked to promote ahead of its Load."),
     Metric("promotion_waits", "counter", "Loads that waited for a promotion in flight."),
     Metric("unpublished_stores", "counter", "Stores that replied once their copies were "
-           "queued, whose entries could not be published after (a copy failed, or the daemon "
-           "closed): their entries are misses."),
+           "queued, whose entries could not be published after (a copy failed): their "
+           "entries are misses."),
     Metric("eviction_regrets", "counter", "Evicted entries that were stored again soon after "
            "(they tune FLOP-aware eviction)."),
     Metric("checksum_failures", "counter", "Disk entries whose checksum failed when read: dropped, "
