@@ -57,9 +57,10 @@ def _done_event(worker: Registration) -> torch.cuda.Event:
     return event
 
 
-# A store copies worker rows only while the worker still waits for the reply: once its
-# deadline passes, it may write those rows again. The daemon's clock for the deadline
-# starts when the call arrives, after the worker's, so it stops this much earlier.
+# A store copies worker rows, and a load writes them, only while the worker still waits
+# for the reply: once its deadline passes, it may write those rows itself. The daemon's
+# clock for the deadline starts when the call arrives, after the worker's, so it stops
+# this much earlier.
 _DEADLINE_MARGIN = 0.05
 
 
@@ -187,7 +188,8 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                 result = self.engine.load(worker.buffers, worker.engine_keys(keys), rows, slot,
                                           ready=_event(request.ready_event, worker),
                                           asynchronous=asynchronous, checks=checks,
-                                          done_event=_done_event(worker) if asynchronous else None)
+                                          done_event=_done_event(worker) if asynchronous else None,
+                                          alive=lambda: _waiting(context))
                 # the pages it could take: as many as its rows, or the prompt without paged buffers
                 asked = min(len(keys), len(rows)) if worker.layout.needs_pages else len(keys)
                 self.lookups.loaded(worker.namespace.model_id, request.keys, asked, result.match.pages)

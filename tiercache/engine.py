@@ -339,7 +339,8 @@ class Engine:
 
     def load(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
              slot: int | None = None, ready: Any = None, asynchronous: bool = False, *,
-             checks: np.ndarray | None = None, done_event: Any = None) -> LoadResult:
+             checks: np.ndarray | None = None, done_event: Any = None,
+             alive: Callable[[], bool] | None = None) -> LoadResult:
         """Copy the longest hybrid match of `keys` (at most len(rows) pages) into `rows` and
         `slot`. Fails as a whole: a damaged entry is dropped and the load redone shorter.
         A load of entries a promotion is still moving waits for it.
@@ -349,7 +350,9 @@ class Engine:
         `asynchronous`, at once with `LoadResult.done`: an interprocess event the worker's
         stream waits on (`done_event`, if the caller gives one to record again, instead of a
         new interprocess event); the entries stay pinned until the copies are done.
-        With `checks`, only entries stored with the same checks hit (see `store`)."""
+        With `checks`, only entries stored with the same checks hit (see `store`). `alive`
+        says whether the caller still waits: once it does not, it may be writing its rows
+        itself, so a load that gets to its copies after that raises instead."""
         self.stores.publishing.settle()
         keys, layout = distinct_keys(keys), buffers.layout
         checks = checks_of(checks, keys)
@@ -364,7 +367,7 @@ class Engine:
                 self.background.stored(fetched)  # host entries now: on to disk as the policy says
         try:
             return self.loads.load(buffers, keys, rows, slot, self._transfer_for(buffers), ready,
-                                   asynchronous, checks, done_event)
+                                   asynchronous, checks, done_event, alive)
         finally:
             if len(fetched):
                 self.books.unpin(fetched)

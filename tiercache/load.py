@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ from tiercache import failpoints, trace
 from tiercache.background import Mover
 from tiercache.books import Books
 from tiercache.buffers import WorkerBuffers, row_ids
-from tiercache.errors import InvalidArgument
+from tiercache.errors import DeadlineExceeded, InvalidArgument
 from tiercache.hashing import Keys
 from tiercache.metrics import Traffic
 from tiercache.promotions import Placed, Promotions
@@ -102,7 +102,8 @@ class Loads:
 
     def load(self, buffers: WorkerBuffers, keys: Keys, rows: Any, slot: int | None,
              transfer: Transfer, ready: Any, asynchronous: bool,
-             checks: np.ndarray | None, done_event: Any = None) -> LoadResult:
+             checks: np.ndarray | None, done_event: Any = None,
+             alive: Callable[[], bool] | None = None) -> LoadResult:
         """See Engine.load (`keys` are distinct: the engine checked)."""
         layout = buffers.layout
         dst = row_ids(rows, layout.page_rows, "kv row", unique=True)
@@ -127,7 +128,7 @@ class Loads:
             if hit.checkpoint_row is not None:
                 jobs.append((Group.checkpoints(buffers, transfer), np.array([hit.checkpoint_row]),
                              dst_slot))
-            done = self.deliver(hit.rows, jobs, transfer, asynchronous, done_event)
+            done = self.deliver(hit.rows, jobs, transfer, asynchronous, done_event, alive)
             damaged += len(done.damaged)
             if not done.damaged:
                 self.books.count("loads", 1)
@@ -136,10 +137,13 @@ class Loads:
         return LoadResult(Match(0, 0, len(keys), b"", None, StopReason.MISSING_PAGE), {}, damaged)
 
     def deliver(self, pinned: np.ndarray, jobs: list[Job], transfer: Transfer,
-                asynchronous: bool = False, done_event: Any = None) -> Delivery:
+                asynchronous: bool = False, done_event: Any = None,
+                alive: Callable[[], bool] | None = None) -> Delivery:
         """Bring pinned entries into host memory (promoting disk hits) and, where a job
-        names destination rows, scatter them into the worker. `pinned` is unpinned when
-        the copies are done: now, or, for an asynchronous load, once its event completes."""
+        names destination rows, scatter them into the worker, unless its caller stopped
+        waiting meanwhile (`alive`): told the load failed, the worker may be writing those
+        rows itself. `pinned` is unpinned when the copies are done: now, or, for an
+        asynchronous load, once its event completes."""
         done, complete, copying = Delivery(), False, 0.0
         try:
             self.promotions.await_moves(pinned)
@@ -148,6 +152,9 @@ class Loads:
                 if staged is None or dst is None:
                     continue
                 failpoints.hit("load.before_scatter")
+                if alive is not None and not alive():
+                    raise DeadlineExceeded("the call ended before the load wrote the worker's "
+                                           "rows: the rest of it was dropped")
                 copying += self._scatter(transfer, group, staged, dst, done)
             self._fence(transfer, done, asynchronous, copying, done_event)
             complete = True

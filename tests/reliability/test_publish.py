@@ -264,3 +264,25 @@ def test_a_durable_store_without_a_disk_tier_is_refused_before_it_copies_anythin
         engine.store(buffers, keys, range(PAGES), {PAGES: 0}, durable=True)
     assert engine.stats().tiers[0].entries == 0
     engine.close()
+
+
+def test_a_load_whose_caller_stopped_waiting_writes_nothing_into_its_rows(tmp_path, monkeypatch):
+    # a worker whose load passed its deadline recomputes into the same rows at once: the
+    # daemon, still about to copy into them, must not write them any more
+    monkeypatch.setenv("TIERCACHE_FAILPOINTS", "load.before_scatter=sleep(0.6)")
+    with running_daemon(tmp_path, "--no-disk") as (address, _):
+        patient = Client(address, timeout=10).register(prompts.MODEL, prompts.LAYOUT)
+        tokens = prompts.tokens(8)
+        paged, slots = keyed.byte_rows(patient.paged), keyed.byte_rows(patient.slots)
+        keyed.fill(paged, slots, patient.keys(tokens), list(range(prompts.PAGES)), 0)
+        assert patient.store(tokens, kv_rows=range(prompts.PAGES),
+                             checkpoints={prompts.PAGES * prompts.PAGE: 0}).stored == prompts.PAGES + 1
+        worker = Client(address, timeout=0.2).register(prompts.MODEL, prompts.LAYOUT)
+        with pytest.raises(DeadlineExceeded):
+            worker.load(tokens, kv_rows=range(prompts.PAGES), slot=1)
+        rows = keyed.byte_rows(worker.paged) + keyed.byte_rows(worker.slots)
+        keyed.poison(rows)  # the worker's own writes, right after the failure
+        time.sleep(1.5)  # the daemon wakes before its copies, finds the caller gone
+        assert all(bool((r == 0xA5).all()) for r in rows)
+        assert patient.load(tokens, kv_rows=range(prompts.PAGES), slot=1).match.pages == prompts.PAGES
+        worker.close(), patient.close()
