@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -68,10 +68,18 @@ def available() -> bool:
     return _entry() is not None
 
 
+def buffer_table(buffers: Sequence[Any], offsets: Sequence[int]) -> np.ndarray:
+    """The table every row copy reads (the Triton kernel's BufferTable.host, `row_addresses`
+    here, tiercache/_rows.c on the CPU): per uint8 [rows, row bytes] buffer its base
+    address, row stride, row bytes and offset inside an entry, int64 4 x buffers."""
+    return np.array([[b.data_ptr() for b in buffers], [b.stride(0) for b in buffers],
+                     [b.shape[1] for b in buffers], list(offsets)], np.int64).reshape(4, -1)
+
+
 def row_addresses(host_table: np.ndarray, rows: np.ndarray, slots: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(worker row addresses, slot addresses, sizes), one per entry and buffer, as uint64:
-    `host_table` is BufferTable.host (base, stride, width, offset per buffer), `rows` the
+    `host_table` is `buffer_table`'s (base, stride, width, offset per buffer), `rows` the
     worker row of each entry, `slots` the address of each entry's slot."""
     base, stride, width, offset = host_table
     worker = base[None, :] + rows.astype(np.int64)[:, None] * stride[None, :]

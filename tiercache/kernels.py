@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tiercache.copy_engines import buffer_table
+
 ALIGN = 16
 CHUNK_WORDS = 16 * 1024  # int32 words (64 KiB) of a row one program moves; longer rows split
 BLOCK_WORDS = 2048  # words one program moves per step, at most; the shortest row sets it
@@ -79,8 +81,7 @@ class BufferTable:
             if any(v % ALIGN for v in (b.data_ptr(), b.stride(0), b.shape[1], at)):
                 raise ValueError(f"a buffer's address, row stride, row bytes or entry offset is not "
                                  f"{ALIGN}-byte aligned: the GPU copy needs aligned rows")
-        host = np.array([[b.data_ptr() for b in buffers], [b.stride(0) for b in buffers],
-                         [b.shape[1] for b in buffers], list(offsets)], np.int64).reshape(4, -1)
+        host = buffer_table(buffers, offsets)
         on_device = torch.from_numpy(host).to(device)
         return cls(*on_device, int(host[2].max()), int(host[2].min()), host)
 

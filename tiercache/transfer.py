@@ -59,11 +59,9 @@ INLINE_BYTES = 1 << 20  # CpuTransfer copies smaller batches on the calling thre
 
 def _cpu_table(buffers: Sequence[torch.Tensor], offsets: Sequence[int], parts: Sequence[SlabPart],
                rows: np.ndarray) -> np.ndarray:
-    """The table `_rows.copy_rows` reads (base, row stride, row bytes and offset in an
-    entry per uint8 [rows, row bytes] buffer, int64 4 x buffers), once every row and slot
-    of the batch is checked to lie inside its buffer or slab: the copy trusts them."""
-    table = np.array([[b.data_ptr() for b in buffers], [b.stride(0) for b in buffers],
-                      [b.shape[1] for b in buffers], list(offsets)], np.int64).reshape(4, -1)
+    """The buffers' table (copy_engines.buffer_table) for `_rows.copy_rows`, once every row
+    and slot of the batch is checked to lie inside its buffer or slab: the copy trusts them."""
+    table = copy_engines.buffer_table(buffers, offsets)
     if any(b.dtype != torch.uint8 or b.dim() != 2 for b in buffers):
         raise ValueError("CPU row copies take uint8 [rows, row bytes] buffers")
     ends = int((table[2] + table[3]).max(initial=0))
