@@ -171,7 +171,6 @@ class Engine:
         """Flush the host tier to disk (unless told not to), stop the background thread and
         release everything. Calls made from now on fail: the index would name bytes that
         are gone. Stores still running when close begins are flushed too."""
-        self.stores.publishing.settle()
         with self.books.lock:
             if self.books.closing:
                 return
@@ -184,7 +183,7 @@ class Engine:
                     break
                 time.sleep(0.001)
         finally:
-            self.stores.publishing.close()  # stores that replied before close publish
+            self.stores.publishing.close()  # stores that replied publish before the background stops
             if self.remote is not None:  # its writer reads host slots: before they go
                 self.remote.close()
             self.background.stop()
