@@ -185,15 +185,18 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                 slot = request.slot if request.HasField("slot") else None
                 # copies into CPU workers are synchronous anyway
                 asynchronous = request.asynchronous and worker.buffers.device.type == "cuda"
+                # the worker's own done event (it waits on it whatever the reply), else one
+                # of ours for an asynchronous load, handed back in the reply
+                given = _event(request.done_event, worker, "done_event")
                 result = self.engine.load(worker.buffers, worker.engine_keys(keys), rows, slot,
                                           ready=_event(request.ready_event, worker),
                                           asynchronous=asynchronous, checks=checks,
-                                          done_event=_done_event(worker) if asynchronous else None,
+                                          done_event=given or (_done_event(worker) if asynchronous else None),
                                           alive=lambda: _waiting(context))
                 # the pages it could take: as many as its rows, or the prompt without paged buffers
                 asked = min(len(keys), len(rows)) if worker.layout.needs_pages else len(keys)
                 self.lookups.loaded(worker.namespace.model_id, request.keys, asked, result.match.pages)
-            return load_to_proto(result)
+            return load_to_proto(result, hand_back=given is None)
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
         with trace.call("Store"):  # a breakdown, when TIERCACHE_TRACE asks for one

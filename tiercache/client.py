@@ -228,17 +228,23 @@ class _Remote:
         return match_from_proto(_rpc(lambda: self._stub.Match(request, **self._call)).match)
 
     def load(self, prompt: Request, rows: np.ndarray, slot: int | None, synchronous: bool) -> LoadResult:
-        with self._events.marked() as ready:
+        # the current stream waits on `done` however the call ends: a load whose reply was
+        # lost (its deadline passed) may have copies into the rows still queued
+        with self._events.marked() as ready, self._events.awaited() as done:
             request = pb.LoadRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                     slot=slot, ready_event=ready, **_rows_fields(rows, self._packed),
+                                     slot=slot, ready_event=ready, done_event=done,
+                                     **_rows_fields(rows, self._packed),
                                      asynchronous=bool(ready) and not synchronous)
             reply = _rpc(lambda: self._stub.Load(request, **self._call))
         result = load_from_proto(reply)
-        if reply.done_event:
-            done = self._done.open(self._device, reply.done_event)
-            torch.cuda.current_stream(self._device).wait_event(done)
-            result = LoadResult(result.match, result.bytes_from, result.damaged, done)
-        return result
+        if not request.asynchronous:
+            return result
+        stream = torch.cuda.current_stream(self._device)
+        if reply.done_event:  # a daemon older than LoadRequest.done_event: its own event
+            stream.wait_event(self._done.open(self._device, reply.done_event))
+        # what callers may wait on from other streams: the copies are done when this
+        # stream gets here (the pooled `done` is recorded again by later calls)
+        return LoadResult(result.match, result.bytes_from, result.damaged, stream.record_event())
 
     def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
               durable: bool, ready: Any = None, synchronous: bool = False) -> StoreResult:
@@ -389,10 +395,11 @@ class _Events:
 
     @contextmanager
     def awaited(self, wanted: bool = True) -> Iterator[bytes]:
-        """The handle of an event for the daemon to record after the copies of a call that
-        replies before they are done (b"" without a GPU, or if not `wanted`). When the
-        block ends, however it ends, the current stream waits on the event's latest
-        record: the daemon's, or this one's, a wait for nothing, if it recorded none."""
+        """The handle of an event for the daemon to record after a call's copies, which may
+        still run after its reply, or after the call failed (b"" without a GPU, or if not
+        `wanted`). When the block ends, however it ends, the current stream waits on the
+        event's latest record: the daemon's, or this one's, a wait for nothing, if it
+        recorded none."""
         if not wanted or self._device is None:
             yield b""
             return

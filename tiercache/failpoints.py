@@ -19,6 +19,7 @@ Points (where, and what a failure there must not break):
   disk.after_commit      disk tier: committed, not yet published in the index
   disk.read              disk tier: reading one entry (a raise stands for an I/O error)
   load.before_scatter    movement: entries staged in host memory, worker rows not written
+  load.before_reply      movement: copies into the worker's rows queued, their event recorded
 """
 
 from __future__ import annotations

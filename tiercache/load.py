@@ -157,6 +157,7 @@ class Loads:
                                            "rows: the rest of it was dropped")
                 copying += self._scatter(transfer, group, staged, dst, done)
             self._fence(transfer, done, asynchronous, copying, done_event)
+            failpoints.hit("load.before_reply")
             complete = True
         except BaseException:
             transfer.synchronize()  # nothing may still read entries we are about to unpin

@@ -97,11 +97,13 @@ def match_from_proto(message: pb.MatchResult) -> Match:
                  stop=_STOPS_BACK[message.stop], kv_pages=message.kv_pages)
 
 
-def load_to_proto(result: LoadResult) -> pb.LoadResponse:
+def load_to_proto(result: LoadResult, hand_back: bool = True) -> pb.LoadResponse:
+    """`hand_back`: the reply names the load's done event (not where the worker gave its own)."""
+    event = result.done.ipc_handle() if hand_back and result.done is not None else b""
     return pb.LoadResponse(match=match_to_proto(result.match), damaged=result.damaged,
                            bytes_from=[pb.TierBytes(tier=int(t), bytes=n)
                                        for t, n in sorted(result.bytes_from.items())],
-                           done_event=result.done.ipc_handle() if result.done is not None else b"")
+                           done_event=event)
 
 
 def load_from_proto(message: pb.LoadResponse) -> LoadResult:

@@ -3,6 +3,7 @@
     python -m tests.gpu.fault_worker load ADDRESS SEED        # store, then a load the test kills
     python -m tests.gpu.fault_worker recompute ADDRESS SEED   # store, load; if the load fails, recompute
     python -m tests.gpu.fault_worker replied ADDRESS SEED     # an async load that replies before its copy
+    python -m tests.gpu.fault_worker lost ADDRESS SEED        # a load whose reply comes too late
 
 `load`: stores one prompt, prints "stored", starts a load into other rows, prints
 "loading" and waits in it (the daemon holds loads in a failpoint) until the test kills
@@ -12,7 +13,11 @@ what they should, and prints "recomputed ok" (or "bad ..."). `replied`: queues a
 kernel, records the ready event after it, so the daemon's copy waits behind it while the
 load replies at once; prints "replied"; the test kills the daemon; then it waits for its
 stream (at most 60 s) and prints "stream done" or "stream hung", and whether the rows got
-the bytes.
+the bytes. `lost`: queues seconds of GPU work ahead of the ready event, then a load the
+daemon holds (after queueing its copies) past the worker's deadline; told the load
+failed, it writes the rows itself at once on its stream, and prints "own rows" if they
+hold its writes once the stream is done (the daemon's late copies came first), else
+"bad ...".
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import threading
 import torch
 
 from tests.gpu.gpu_worker import PAGES, bits, layout, prompt, register
-from tiercache.errors import TiercacheError
+from tiercache.errors import DeadlineExceeded, TiercacheError
 
 ROWS = list(range(PAGES, 2 * PAGES))
 
@@ -35,8 +40,8 @@ def poison(tensors, value: int) -> None:
     bits(tensors["state"])[1].fill_(value)
 
 
-def stored(address: str, seed: int):
-    worker, tensors = register(address, layout(1 << 16, 4, rows=2 * PAGES), seed)
+def stored(address: str, seed: int, timeout: float = 30.0):
+    worker, tensors = register(address, layout(1 << 16, 4, rows=2 * PAGES), seed, timeout)
     source = {name: bits(t).clone() for name, t in tensors.items()}
     worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
     torch.cuda.synchronize()
@@ -91,6 +96,24 @@ def replied(address: str, seed: int) -> None:
           flush=True)
 
 
+def lost(address: str, seed: int) -> None:
+    worker, tensors, _ = stored(address, seed, timeout=6)
+    for _ in range(20):  # ~10 s of GPU time ahead of the ready event: the copies come after
+        torch.cuda._sleep(1_000_000_000)
+    try:
+        worker.load(prompt(0), kv_rows=ROWS, slot=1)
+        print("bad: the load replied in time", flush=True)
+        return
+    except DeadlineExceeded:
+        pass
+    poison(tensors, 0xA5)  # the worker's own writes, right after the failure
+    torch.cuda.synchronize()
+    own = all(bool((bits(tensors[f"kv{i}"])[ROWS] == 0xA5).all()) for i in range(4))
+    own &= bool((bits(tensors["state"])[1] == 0xA5).all())
+    print("own rows" if own else "bad: the daemon's copies landed after the worker's writes",
+          flush=True)
+
+
 if __name__ == "__main__":
     mode, address, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    {"load": load, "recompute": recompute, "replied": replied}[mode](address, seed)
+    {"load": load, "recompute": recompute, "replied": replied, "lost": lost}[mode](address, seed)

@@ -33,12 +33,12 @@ def layout(row_bytes: int, buffers: int, rows: int) -> Layout:
                   slots=(BufferSpec("state", 8, (row_bytes // 4,), "float32"),))
 
 
-def register(address: str, shape: Layout, seed: int):
+def register(address: str, shape: Layout, seed: int, timeout: float = 30.0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     tensors = {b.name: torch.randint(-2**15, 2**15, b.shape, dtype=torch.int16, device="cuda",
                                      generator=gen).view(torch.bfloat16) for b in shape.paged}
     tensors["state"] = torch.randn(shape.slots[0].shape, device="cuda", generator=gen)
-    return Client(address).register("gpu-test", shape, buffers=tensors), tensors
+    return Client(address, timeout=timeout).register("gpu-test", shape, buffers=tensors), tensors
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Faults on the GPU path: a worker killed while the daemon has its buffers mapped and a
-load in flight, and the daemon killed while a worker waits on a load. Runs only where
-there is a GPU (make test-gpu).
+load in flight, the daemon killed while a worker waits on a load, and a load whose reply
+came after the worker's deadline. Runs only where there is a GPU (make test-gpu).
 
 The daemon holds every load for a while at a failpoint (load.before_scatter), after
 staging the bytes and before writing the worker's rows, so the kill lands exactly there.
@@ -94,3 +94,14 @@ def test_a_daemon_killed_after_an_async_load_replied_does_not_hang_the_worker(tm
         out, _ = waiting.communicate("go\n", timeout=180)
         print(out)
         assert "stream done" in out, out
+
+
+def test_a_load_whose_reply_came_too_late_keeps_the_workers_writes_after_its_copies(tmp_path, monkeypatch):
+    # The daemon queued its copies into the worker's rows (behind seconds of the worker's
+    # own GPU work) and replied after the worker's deadline. Told the load failed, the
+    # worker writes those rows itself at once: its stream must wait for the daemon's
+    # copies first, or they would overwrite its writes later.
+    monkeypatch.setenv("TIERCACHE_FAILPOINTS", "load.before_reply=sleep(8)")
+    with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, _):
+        out, _ = worker("lost", address, "5").communicate(timeout=180)
+        assert out.strip().endswith("own rows"), out

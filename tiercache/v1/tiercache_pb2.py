@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctiercache/v1/tiercache.proto\x12\x0ctiercache.v1\"J\n\nBufferSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12\x11\n\trow_shape\x18\x03 \x03(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\x91\x01\n\x06Layout\x12\x13\n\x0bpage_tokens\x18\x01 \x01(\r\x12\'\n\x05paged\x18\x02 \x03(\x0b\x32\x18.tiercache.v1.BufferSpec\x12\'\n\x05slots\x18\x03 \x03(\x0b\x32\x18.tiercache.v1.BufferSpec\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\"@\n\x12SharedMemoryBuffer\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06ticket\x18\x03 \x01(\x0cJ\x04\x08\x01\x10\x02R\x04name\"D\n\rCudaIpcBuffer\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\"\x95\x01\n\x0e\x42ufferLocation\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12/\n\x03shm\x18\x03 \x01(\x0b\x32 .tiercache.v1.SharedMemoryBufferH\x00\x12+\n\x04\x63uda\x18\x04 \x01(\x0b\x32\x1b.tiercache.v1.CudaIpcBufferH\x00\x42\x07\n\x05where\"/\n\x05Group\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04size\x18\x03 \x01(\r\"\xbe\x01\n\x0fRegisterRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.tiercache.v1.Layout\x12-\n\x07\x62uffers\x18\x03 \x03(\x0b\x32\x1c.tiercache.v1.BufferLocation\x12\x12\n\nextra_keys\x18\x04 \x03(\t\x12\x0c\n\x04hash\x18\x05 \x01(\t\x12\"\n\x05group\x18\x06 \x01(\x0b\x32\x13.tiercache.v1.Group\"\x82\x01\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0enamespace_root\x18\x02 \x01(\x0c\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x0c\n\x04hash\x18\x04 \x01(\t\x12\x19\n\x11reads_packed_rows\x18\x05 \x01(\x08\"&\n\x11UnregisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x14\n\x12UnregisterResponse\"`\n\x0cMatchRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x10\n\x08prefetch\x18\x03 \x01(\x08\x12\x0e\n\x06\x63hecks\x18\x04 \x01(\x0c\x12\r\n\x05group\x18\x05 \x01(\t\"\xbd\x01\n\x0bMatchResult\x12\r\n\x05pages\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x14\n\x0cprompt_pages\x18\x03 \x01(\r\x12\x12\n\npage_tiers\x18\x04 \x01(\x0c\x12+\n\x0f\x63heckpoint_tier\x18\x05 \x01(\x0e\x32\x12.tiercache.v1.Tier\x12&\n\x04stop\x18\x06 \x01(\x0e\x32\x18.tiercache.v1.StopReason\x12\x10\n\x08kv_pages\x18\x07 \x01(\r\"9\n\rMatchResponse\x12(\n\x05match\x18\x01 \x01(\x0b\x32\x19.tiercache.v1.MatchResult\"\xae\x01\n\x0bLoadRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x0f\n\x07kv_rows\x18\x03 \x03(\r\x12\x11\n\x04slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bready_event\x18\x05 \x01(\x0c\x12\x14\n\x0c\x61synchronous\x18\x06 \x01(\x08\x12\x0e\n\x06\x63hecks\x18\x07 \x01(\x0c\x12\x16\n\x0ekv_rows_packed\x18\x08 \x01(\x0c\x42\x07\n\x05_slot\"<\n\tTierBytes\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.tiercache.v1.Tier\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x8a\x01\n\x0cLoadResponse\x12(\n\x05match\x18\x01 \x01(\x0b\x32\x19.tiercache.v1.MatchResult\x12+\n\nbytes_from\x18\x02 \x03(\x0b\x32\x17.tiercache.v1.TierBytes\x12\x0f\n\x07\x64\x61maged\x18\x03 \x01(\r\x12\x12\n\ndone_event\x18\x04 \x01(\x0c\")\n\nCheckpoint\x12\r\n\x05pages\x18\x01 \x01(\r\x12\x0c\n\x04slot\x18\x02 \x01(\r\"\xfb\x01\n\x0cStoreRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x0f\n\x07kv_rows\x18\x03 \x03(\r\x12-\n\x0b\x63heckpoints\x18\x04 \x03(\x0b\x32\x18.tiercache.v1.Checkpoint\x12\x13\n\x0bready_event\x18\x05 \x01(\x0c\x12\x0e\n\x06\x63hecks\x18\x06 \x01(\x0c\x12\x0f\n\x07\x64urable\x18\x07 \x01(\x08\x12\x14\n\x0c\x65vent_tokens\x18\x08 \x01(\x0c\x12\x12\n\nfirst_page\x18\t \x01(\r\x12\x16\n\x0ekv_rows_packed\x18\n \x01(\x0c\x12\x12\n\ndone_event\x18\x0b \x01(\x0c\"V\n\rStoreResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07present\x18\x02 \x01(\r\x12\x0f\n\x07skipped\x18\x03 \x01(\r\x12\x13\n\x0b\x63heckpoints\x18\x04 \x03(\r\"Q\n\x0c\x45victRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.tiercache.v1.Tier\" \n\rEvictResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\r\"%\n\x14\x44\x65scribeGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\x86\x01\n\x15\x44\x65scribeGroupResponse\x12\x16\n\x0enamespace_root\x18\x01 \x01(\x0c\x12\x0c\n\x04hash\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nlive_ranks\x18\x04 \x03(\r\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x13\n\x0bpage_tokens\x18\x06 \x01(\r\"\x0e\n\x0cStatsRequest\"h\n\tTierStats\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.tiercache.v1.Tier\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x04\"\xb6\x01\n\rStatsResponse\x12&\n\x05tiers\x18\x01 \x03(\x0b\x32\x17.tiercache.v1.TierStats\x12;\n\x08\x63ounters\x18\x02 \x03(\x0b\x32).tiercache.v1.StatsResponse.CountersEntry\x12\x0f\n\x07workers\x18\x03 \x01(\r\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*\\\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x04\x12\x0f\n\x0bTIER_REMOTE\x10\x08*w\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x11\n\rEND_OF_PROMPT\x10\x01\x12\x10\n\x0cMISSING_PAGE\x10\x02\x12\x11\n\rNO_CHECKPOINT\x10\x03\x12\x14\n\x10GROUP_INCOMPLETE\x10\x04\x32\xca\x04\n\tTiercache\x12K\n\x08Register\x12\x1d.tiercache.v1.RegisterRequest\x1a\x1e.tiercache.v1.RegisterResponse0\x01\x12O\n\nUnregister\x12\x1f.tiercache.v1.UnregisterRequest\x1a .tiercache.v1.UnregisterResponse\x12@\n\x05Match\x12\x1a.tiercache.v1.MatchRequest\x1a\x1b.tiercache.v1.MatchResponse\x12=\n\x04Load\x12\x19.tiercache.v1.LoadRequest\x1a\x1a.tiercache.v1.LoadResponse\x12@\n\x05Store\x12\x1a.tiercache.v1.StoreRequest\x1a\x1b.tiercache.v1.StoreResponse\x12@\n\x05\x45vict\x12\x1a.tiercache.v1.EvictRequest\x1a\x1b.tiercache.v1.EvictResponse\x12@\n\x05Stats\x12\x1a.tiercache.v1.StatsRequest\x1a\x1b.tiercache.v1.StatsResponse\x12X\n\rDescribeGroup\x12\".tiercache.v1.DescribeGroupRequest\x1a#.tiercache.v1.DescribeGroupResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctiercache/v1/tiercache.proto\x12\x0ctiercache.v1\"J\n\nBufferSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12\x11\n\trow_shape\x18\x03 \x03(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\x91\x01\n\x06Layout\x12\x13\n\x0bpage_tokens\x18\x01 \x01(\r\x12\'\n\x05paged\x18\x02 \x03(\x0b\x32\x18.tiercache.v1.BufferSpec\x12\'\n\x05slots\x18\x03 \x03(\x0b\x32\x18.tiercache.v1.BufferSpec\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\"@\n\x12SharedMemoryBuffer\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06ticket\x18\x03 \x01(\x0cJ\x04\x08\x01\x10\x02R\x04name\"D\n\rCudaIpcBuffer\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\"\x95\x01\n\x0e\x42ufferLocation\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12/\n\x03shm\x18\x03 \x01(\x0b\x32 .tiercache.v1.SharedMemoryBufferH\x00\x12+\n\x04\x63uda\x18\x04 \x01(\x0b\x32\x1b.tiercache.v1.CudaIpcBufferH\x00\x42\x07\n\x05where\"/\n\x05Group\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04size\x18\x03 \x01(\r\"\xbe\x01\n\x0fRegisterRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.tiercache.v1.Layout\x12-\n\x07\x62uffers\x18\x03 \x03(\x0b\x32\x1c.tiercache.v1.BufferLocation\x12\x12\n\nextra_keys\x18\x04 \x03(\t\x12\x0c\n\x04hash\x18\x05 \x01(\t\x12\"\n\x05group\x18\x06 \x01(\x0b\x32\x13.tiercache.v1.Group\"\x82\x01\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0enamespace_root\x18\x02 \x01(\x0c\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x0c\n\x04hash\x18\x04 \x01(\t\x12\x19\n\x11reads_packed_rows\x18\x05 \x01(\x08\"&\n\x11UnregisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x14\n\x12UnregisterResponse\"`\n\x0cMatchRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x10\n\x08prefetch\x18\x03 \x01(\x08\x12\x0e\n\x06\x63hecks\x18\x04 \x01(\x0c\x12\r\n\x05group\x18\x05 \x01(\t\"\xbd\x01\n\x0bMatchResult\x12\r\n\x05pages\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x14\n\x0cprompt_pages\x18\x03 \x01(\r\x12\x12\n\npage_tiers\x18\x04 \x01(\x0c\x12+\n\x0f\x63heckpoint_tier\x18\x05 \x01(\x0e\x32\x12.tiercache.v1.Tier\x12&\n\x04stop\x18\x06 \x01(\x0e\x32\x18.tiercache.v1.StopReason\x12\x10\n\x08kv_pages\x18\x07 \x01(\r\"9\n\rMatchResponse\x12(\n\x05match\x18\x01 \x01(\x0b\x32\x19.tiercache.v1.MatchResult\"\xc2\x01\n\x0bLoadRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x0f\n\x07kv_rows\x18\x03 \x03(\r\x12\x11\n\x04slot\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bready_event\x18\x05 \x01(\x0c\x12\x14\n\x0c\x61synchronous\x18\x06 \x01(\x08\x12\x0e\n\x06\x63hecks\x18\x07 \x01(\x0c\x12\x16\n\x0ekv_rows_packed\x18\x08 \x01(\x0c\x12\x12\n\ndone_event\x18\t \x01(\x0c\x42\x07\n\x05_slot\"<\n\tTierBytes\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.tiercache.v1.Tier\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x8a\x01\n\x0cLoadResponse\x12(\n\x05match\x18\x01 \x01(\x0b\x32\x19.tiercache.v1.MatchResult\x12+\n\nbytes_from\x18\x02 \x03(\x0b\x32\x17.tiercache.v1.TierBytes\x12\x0f\n\x07\x64\x61maged\x18\x03 \x01(\r\x12\x12\n\ndone_event\x18\x04 \x01(\x0c\")\n\nCheckpoint\x12\r\n\x05pages\x18\x01 \x01(\r\x12\x0c\n\x04slot\x18\x02 \x01(\r\"\xfb\x01\n\x0cStoreRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x0f\n\x07kv_rows\x18\x03 \x03(\r\x12-\n\x0b\x63heckpoints\x18\x04 \x03(\x0b\x32\x18.tiercache.v1.Checkpoint\x12\x13\n\x0bready_event\x18\x05 \x01(\x0c\x12\x0e\n\x06\x63hecks\x18\x06 \x01(\x0c\x12\x0f\n\x07\x64urable\x18\x07 \x01(\x08\x12\x14\n\x0c\x65vent_tokens\x18\x08 \x01(\x0c\x12\x12\n\nfirst_page\x18\t \x01(\r\x12\x16\n\x0ekv_rows_packed\x18\n \x01(\x0c\x12\x12\n\ndone_event\x18\x0b \x01(\x0c\"V\n\rStoreResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07present\x18\x02 \x01(\r\x12\x0f\n\x07skipped\x18\x03 \x01(\r\x12\x13\n\x0b\x63heckpoints\x18\x04 \x03(\r\"Q\n\x0c\x45victRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.tiercache.v1.Tier\" \n\rEvictResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\r\"%\n\x14\x44\x65scribeGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\x86\x01\n\x15\x44\x65scribeGroupResponse\x12\x16\n\x0enamespace_root\x18\x01 \x01(\x0c\x12\x0c\n\x04hash\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nlive_ranks\x18\x04 \x03(\r\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x13\n\x0bpage_tokens\x18\x06 \x01(\r\"\x0e\n\x0cStatsRequest\"h\n\tTierStats\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.tiercache.v1.Tier\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x04\"\xb6\x01\n\rStatsResponse\x12&\n\x05tiers\x18\x01 \x03(\x0b\x32\x17.tiercache.v1.TierStats\x12;\n\x08\x63ounters\x18\x02 \x03(\x0b\x32).tiercache.v1.StatsResponse.CountersEntry\x12\x0f\n\x07workers\x18\x03 \x01(\r\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*\\\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x04\x12\x0f\n\x0bTIER_REMOTE\x10\x08*w\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x11\n\rEND_OF_PROMPT\x10\x01\x12\x10\n\x0cMISSING_PAGE\x10\x02\x12\x11\n\rNO_CHECKPOINT\x10\x03\x12\x14\n\x10GROUP_INCOMPLETE\x10\x04\x32\xca\x04\n\tTiercache\x12K\n\x08Register\x12\x1d.tiercache.v1.RegisterRequest\x1a\x1e.tiercache.v1.RegisterResponse0\x01\x12O\n\nUnregister\x12\x1f.tiercache.v1.UnregisterRequest\x1a .tiercache.v1.UnregisterResponse\x12@\n\x05Match\x12\x1a.tiercache.v1.MatchRequest\x1a\x1b.tiercache.v1.MatchResponse\x12=\n\x04Load\x12\x19.tiercache.v1.LoadRequest\x1a\x1a.tiercache.v1.LoadResponse\x12@\n\x05Store\x12\x1a.tiercache.v1.StoreRequest\x1a\x1b.tiercache.v1.StoreResponse\x12@\n\x05\x45vict\x12\x1a.tiercache.v1.EvictRequest\x1a\x1b.tiercache.v1.EvictResponse\x12@\n\x05Stats\x12\x1a.tiercache.v1.StatsRequest\x1a\x1b.tiercache.v1.StatsResponse\x12X\n\rDescribeGroup\x12\".tiercache.v1.DescribeGroupRequest\x1a#.tiercache.v1.DescribeGroupResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=2709
-  _globals['_TIER']._serialized_end=2801
-  _globals['_STOPREASON']._serialized_start=2803
-  _globals['_STOPREASON']._serialized_end=2922
+  _globals['_TIER']._serialized_start=2729
+  _globals['_TIER']._serialized_end=2821
+  _globals['_STOPREASON']._serialized_start=2823
+  _globals['_STOPREASON']._serialized_end=2942
   _globals['_BUFFERSPEC']._serialized_start=46
   _globals['_BUFFERSPEC']._serialized_end=120
   _globals['_LAYOUT']._serialized_start=123
@@ -64,33 +64,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MATCHRESPONSE']._serialized_start=1285
   _globals['_MATCHRESPONSE']._serialized_end=1342
   _globals['_LOADREQUEST']._serialized_start=1345
-  _globals['_LOADREQUEST']._serialized_end=1519
-  _globals['_TIERBYTES']._serialized_start=1521
-  _globals['_TIERBYTES']._serialized_end=1581
-  _globals['_LOADRESPONSE']._serialized_start=1584
-  _globals['_LOADRESPONSE']._serialized_end=1722
-  _globals['_CHECKPOINT']._serialized_start=1724
-  _globals['_CHECKPOINT']._serialized_end=1765
-  _globals['_STOREREQUEST']._serialized_start=1768
-  _globals['_STOREREQUEST']._serialized_end=2019
-  _globals['_STORERESPONSE']._serialized_start=2021
-  _globals['_STORERESPONSE']._serialized_end=2107
-  _globals['_EVICTREQUEST']._serialized_start=2109
-  _globals['_EVICTREQUEST']._serialized_end=2190
-  _globals['_EVICTRESPONSE']._serialized_start=2192
-  _globals['_EVICTRESPONSE']._serialized_end=2224
-  _globals['_DESCRIBEGROUPREQUEST']._serialized_start=2226
-  _globals['_DESCRIBEGROUPREQUEST']._serialized_end=2263
-  _globals['_DESCRIBEGROUPRESPONSE']._serialized_start=2266
-  _globals['_DESCRIBEGROUPRESPONSE']._serialized_end=2400
-  _globals['_STATSREQUEST']._serialized_start=2402
-  _globals['_STATSREQUEST']._serialized_end=2416
-  _globals['_TIERSTATS']._serialized_start=2418
-  _globals['_TIERSTATS']._serialized_end=2522
-  _globals['_STATSRESPONSE']._serialized_start=2525
-  _globals['_STATSRESPONSE']._serialized_end=2707
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=2660
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=2707
-  _globals['_TIERCACHE']._serialized_start=2925
-  _globals['_TIERCACHE']._serialized_end=3511
+  _globals['_LOADREQUEST']._serialized_end=1539
+  _globals['_TIERBYTES']._serialized_start=1541
+  _globals['_TIERBYTES']._serialized_end=1601
+  _globals['_LOADRESPONSE']._serialized_start=1604
+  _globals['_LOADRESPONSE']._serialized_end=1742
+  _globals['_CHECKPOINT']._serialized_start=1744
+  _globals['_CHECKPOINT']._serialized_end=1785
+  _globals['_STOREREQUEST']._serialized_start=1788
+  _globals['_STOREREQUEST']._serialized_end=2039
+  _globals['_STORERESPONSE']._serialized_start=2041
+  _globals['_STORERESPONSE']._serialized_end=2127
+  _globals['_EVICTREQUEST']._serialized_start=2129
+  _globals['_EVICTREQUEST']._serialized_end=2210
+  _globals['_EVICTRESPONSE']._serialized_start=2212
+  _globals['_EVICTRESPONSE']._serialized_end=2244
+  _globals['_DESCRIBEGROUPREQUEST']._serialized_start=2246
+  _globals['_DESCRIBEGROUPREQUEST']._serialized_end=2283
+  _globals['_DESCRIBEGROUPRESPONSE']._serialized_start=2286
+  _globals['_DESCRIBEGROUPRESPONSE']._serialized_end=2420
+  _globals['_STATSREQUEST']._serialized_start=2422
+  _globals['_STATSREQUEST']._serialized_end=2436
+  _globals['_TIERSTATS']._serialized_start=2438
+  _globals['_TIERSTATS']._serialized_end=2542
+  _globals['_STATSRESPONSE']._serialized_start=2545
+  _globals['_STATSRESPONSE']._serialized_end=2727
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=2680
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=2727
+  _globals['_TIERCACHE']._serialized_start=2945
+  _globals['_TIERCACHE']._serialized_end=3531
 # @@protoc_insertion_point(module_scope)

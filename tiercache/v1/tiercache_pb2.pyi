@@ -178,7 +178,7 @@ class MatchResponse(_message.Message):
     def __init__(self, match: _Optional[_Union[MatchResult, _Mapping]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "kv_rows", "slot", "ready_event", "asynchronous", "checks", "kv_rows_packed")
+    __slots__ = ("worker_id", "keys", "kv_rows", "slot", "ready_event", "asynchronous", "checks", "kv_rows_packed", "done_event")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class LoadRequest(_message.Message):
     ASYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
     CHECKS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     kv_rows: _containers.RepeatedScalarFieldContainer[int]
@@ -195,7 +196,8 @@ class LoadRequest(_message.Message):
     asynchronous: bool
     checks: bytes
     kv_rows_packed: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., asynchronous: _Optional[bool] = ..., checks: _Optional[bytes] = ..., kv_rows_packed: _Optional[bytes] = ...) -> None: ...
+    done_event: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., asynchronous: _Optional[bool] = ..., checks: _Optional[bytes] = ..., kv_rows_packed: _Optional[bytes] = ..., done_event: _Optional[bytes] = ...) -> None: ...
 
 class TierBytes(_message.Message):
     __slots__ = ("tier", "bytes")
