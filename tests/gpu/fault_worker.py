@@ -13,17 +13,18 @@ what they should, and prints "recomputed ok" (or "bad ..."). `replied`: queues a
 kernel, records the ready event after it, so the daemon's copy waits behind it while the
 load replies at once; prints "replied"; the test kills the daemon; then it waits for its
 stream (at most 60 s) and prints "stream done" or "stream hung", and whether the rows got
-the bytes. `lost`: queues seconds of GPU work ahead of the ready event, then a load the
-daemon holds (after queueing its copies) past the worker's deadline; told the load
-failed, it writes the rows itself at once on its stream, and prints "own rows" if they
-hold its writes once the stream is done (the daemon's late copies came first), else
-"bad ...".
+the bytes. `lost`: a load whose copies the daemon queues behind those of another load
+(which wait for seconds of that load's own GPU work) and whose reply the daemon holds
+past the worker's deadline; told the load failed, the worker writes the rows itself at
+once on its stream, and prints "own rows" if they hold its writes once the GPU is done
+(its stream waited for the daemon's late copies), else "bad ...".
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import torch
 
@@ -97,20 +98,35 @@ def replied(address: str, seed: int) -> None:
 
 
 def lost(address: str, seed: int) -> None:
-    worker, tensors, _ = stored(address, seed, timeout=6)
-    for _ in range(20):  # ~10 s of GPU time ahead of the ready event: the copies come after
-        torch.cuda._sleep(1_000_000_000)
-    try:
-        worker.load(prompt(0), kv_rows=ROWS, slot=1)
-        print("bad: the load replied in time", flush=True)
-        return
-    except DeadlineExceeded:
-        pass
-    poison(tensors, 0xA5)  # the worker's own writes, right after the failure
+    patient, _, _ = stored(address, seed)
+    hasty, tensors = register(address, layout(1 << 16, 4, rows=2 * PAGES), seed + 1, timeout=6)
+    # a first load whose copies wait behind ~10 s of GPU work of its own stream: the
+    # daemon's load stream, and every copy queued on it after them, waits that long
+    held = torch.cuda.Stream()
+    with torch.cuda.stream(held):
+        for _ in range(20):
+            torch.cuda._sleep(1_000_000_000)
+
+    def first() -> None:
+        with torch.cuda.stream(held):
+            patient.load(prompt(0), kv_rows=ROWS, slot=1)
+    behind = threading.Thread(target=first)
+    behind.start()
+    time.sleep(1)  # its copies are queued: the daemon holds its reply
+    own = torch.cuda.Stream()
+    with torch.cuda.stream(own):
+        try:  # its copies queue behind the first load's; its reply comes too late
+            hasty.load(prompt(0), kv_rows=ROWS, slot=1)
+            print("bad: the load replied in time", flush=True)
+            return
+        except DeadlineExceeded:
+            pass
+        poison(tensors, 0xA5)  # the worker's own writes, right after the failure
     torch.cuda.synchronize()
-    own = all(bool((bits(tensors[f"kv{i}"])[ROWS] == 0xA5).all()) for i in range(4))
-    own &= bool((bits(tensors["state"])[1] == 0xA5).all())
-    print("own rows" if own else "bad: the daemon's copies landed after the worker's writes",
+    behind.join()
+    mine = all(bool((bits(tensors[f"kv{i}"])[ROWS] == 0xA5).all()) for i in range(4))
+    mine &= bool((bits(tensors["state"])[1] == 0xA5).all())
+    print("own rows" if mine else "bad: the daemon's copies landed after the worker's writes",
           flush=True)
 
 

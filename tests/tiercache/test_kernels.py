@@ -67,3 +67,19 @@ def test_unaligned_rows_are_refused():
     odd = random_rows(4, 40, 0)  # 40-byte rows: not a multiple of 16
     with pytest.raises(ValueError, match=f"{ALIGN}-byte"):
         BufferTable.of([odd], [0], DEVICE)
+
+
+def test_launches_of_a_kind_seen_before_and_of_another_alignment_copy_exactly():
+    # the second launch of a kind goes straight to its compiled kernel (kernels._compiled);
+    # rows and slot addresses 8 bytes off a multiple of 16 are another kind (Triton
+    # specialises on alignment), compiled for themselves
+    source = random_rows(16, 4096, 3)
+    slab = torch.zeros((16, 4096), dtype=torch.uint8, device=DEVICE)
+    table = BufferTable.of([source], [0], DEVICE)
+    every_row = torch.arange(16, device=DEVICE)
+    every_slot = torch.tensor([slab[s].data_ptr() for s in range(16)], device=DEVICE)
+    for start in (0, 0, 1, 1):
+        slab.zero_()
+        copy_rows(table, every_row[start:start + 15], every_slot[start:start + 15], to_slots=True)
+        assert torch.equal(slab[start:start + 15], source[start:start + 15])
+        assert int(slab[15 if start == 0 else 0].sum()) == 0
