@@ -3,6 +3,7 @@
     python -m tests.gpu.fault_worker load ADDRESS SEED        # store, then a load the test kills
     python -m tests.gpu.fault_worker recompute ADDRESS SEED   # store, load; if the load fails, recompute
     python -m tests.gpu.fault_worker replied ADDRESS SEED     # an async load that replies before its copy
+    python -m tests.gpu.fault_worker ahead ADDRESS SEED       # a load behind seconds of GPU work
     python -m tests.gpu.fault_worker lost ADDRESS SEED        # a load whose reply comes too late
 
 `load`: stores one prompt, prints "stored", starts a load into other rows, prints
@@ -12,12 +13,14 @@ daemon) it computes the rows itself, checks its GPU still works and that the row
 what they should, and prints "recomputed ok" (or "bad ..."). `replied`: queues a long
 kernel, records the ready event after it, so the daemon's copy waits behind it while the
 load replies at once; prints "replied"; the test kills the daemon; then it waits for its
-stream (at most 60 s) and prints "stream done" or "stream hung", and whether the rows got
-the bytes. `lost`: a load whose copies the daemon queues behind those of another load
-(which wait for seconds of that load's own GPU work) and whose reply the daemon holds
-past the worker's deadline; told the load failed, the worker writes the rows itself at
-once on its stream, and prints "own rows" if they hold its writes once the GPU is done
-(its stream waited for the daemon's late copies), else "bad ...".
+stream (at most 60 s) and prints "stream done" or "stream hung", and whether the rows
+got the bytes. `ahead`: stores, then a load whose copies wait behind 8 s of its own GPU
+work (the daemon's load stream with them); prints "loading" first, and stays until told
+to end. `lost`: registers, prints "ready", and when told, a load (of the prompt `ahead`
+stored) whose copies the daemon queues behind those, and whose reply the daemon holds
+past this worker's deadline; told the load failed, the worker writes the rows itself at
+once on its stream, and prints "own rows" if they hold its writes once the daemon's
+copies are done (its stream waited for them), else "bad ...".
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 
 import torch
 
-from tests.gpu.gpu_worker import PAGES, bits, layout, prompt, register
+from tests.gpu.gpu_worker import PAGES, bits, layout, prompt, register, sleep_gpu
 from tiercache.errors import DeadlineExceeded, TiercacheError
 
 ROWS = list(range(PAGES, 2 * PAGES))
@@ -97,33 +100,31 @@ def replied(address: str, seed: int) -> None:
           flush=True)
 
 
-def lost(address: str, seed: int) -> None:
-    patient, _, _ = stored(address, seed)
-    hasty, tensors = register(address, layout(1 << 16, 4, rows=2 * PAGES), seed + 1, timeout=6)
-    # a first load whose copies wait behind ~10 s of GPU work of its own stream: the
-    # daemon's load stream, and every copy queued on it after them, waits that long
-    held = torch.cuda.Stream()
-    with torch.cuda.stream(held):
-        for _ in range(20):
-            torch.cuda._sleep(1_000_000_000)
-
-    def first() -> None:
-        with torch.cuda.stream(held):
-            patient.load(prompt(0), kv_rows=ROWS, slot=1)
-    behind = threading.Thread(target=first)
-    behind.start()
-    time.sleep(1)  # its copies are queued: the daemon holds its reply
-    own = torch.cuda.Stream()
-    with torch.cuda.stream(own):
-        try:  # its copies queue behind the first load's; its reply comes too late
-            hasty.load(prompt(0), kv_rows=ROWS, slot=1)
-            print("bad: the load replied in time", flush=True)
-            return
-        except DeadlineExceeded:
-            pass
-        poison(tensors, 0xA5)  # the worker's own writes, right after the failure
+def ahead(address: str, seed: int) -> None:
+    worker, _, _ = stored(address, seed)
+    # the first launch of each kind of copy loads its kernel, which waits for the device
+    # (so for the GPU work below): a load first, its reply held like any load's
+    worker.load(prompt(0), kv_rows=ROWS, slot=1)
     torch.cuda.synchronize()
-    behind.join()
+    sleep_gpu(8)
+    print("loading", flush=True)
+    worker.load(prompt(0), kv_rows=ROWS, slot=1)  # its copies wait for the 8 s of work
+    sys.stdin.readline()
+
+
+def lost(address: str, seed: int) -> None:
+    worker, tensors = register(address, layout(1 << 16, 4, rows=2 * PAGES), seed, timeout=2)
+    print("ready", flush=True)
+    sys.stdin.readline()  # the test says when the other worker's load is queued
+    try:  # its copies queue behind the other worker's; its reply comes too late
+        worker.load(prompt(0), kv_rows=ROWS, slot=1)
+        print("bad: the load replied in time", flush=True)
+        return
+    except DeadlineExceeded:
+        pass
+    poison(tensors, 0xA5)  # the worker's own writes, right after the failure
+    torch.cuda.synchronize()
+    time.sleep(10)  # the other worker's GPU work is done, and the daemon's copies after it
     mine = all(bool((bits(tensors[f"kv{i}"])[ROWS] == 0xA5).all()) for i in range(4))
     mine &= bool((bits(tensors["state"])[1] == 0xA5).all())
     print("own rows" if mine else "bad: the daemon's copies landed after the worker's writes",
@@ -132,4 +133,5 @@ def lost(address: str, seed: int) -> None:
 
 if __name__ == "__main__":
     mode, address, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    {"load": load, "recompute": recompute, "replied": replied, "lost": lost}[mode](address, seed)
+    {"load": load, "recompute": recompute, "replied": replied, "ahead": ahead,
+     "lost": lost}[mode](address, seed)

@@ -142,6 +142,18 @@ def hold(address: str, seed: int) -> None:
         time.sleep(1)
 
 
+def sleep_gpu(seconds: float) -> None:
+    """Queue `seconds` of GPU time on the current stream (torch's spin kernel, timed)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(100_000_000)
+    end.record()
+    end.synchronize()
+    per_second = 100_000_000 / (start.elapsed_time(end) / 1e3)
+    for _ in range(int(seconds * per_second) // 100_000_000 + 1):
+        torch.cuda._sleep(100_000_000)
+
+
 if __name__ == "__main__":
     mode, address, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "roundtrip":

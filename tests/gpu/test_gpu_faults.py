@@ -97,11 +97,17 @@ def test_a_daemon_killed_after_an_async_load_replied_does_not_hang_the_worker(tm
 
 
 def test_a_load_whose_reply_came_too_late_keeps_the_workers_writes_after_its_copies(tmp_path, monkeypatch):
-    # The daemon queued its copies into the worker's rows (behind another load's, which
-    # wait for seconds of GPU work) and replied after the worker's deadline. Told the load
+    # The daemon queued a worker's copies (behind another worker's, which wait for seconds
+    # of that worker's GPU work) and replied after the worker's deadline. Told the load
     # failed, the worker writes those rows itself at once: its stream must wait for the
     # daemon's copies first, or they would overwrite its writes later.
-    monkeypatch.setenv("TIERCACHE_FAILPOINTS", "load.before_reply=sleep(8)")
+    monkeypatch.setenv("TIERCACHE_FAILPOINTS", "load.before_reply=sleep(3)")
     with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, _):
-        out, _ = worker("lost", address, "5").communicate(timeout=180)
+        late = worker("lost", address, "6")
+        wait_for(late, "ready")
+        first = worker("ahead", address, "5")
+        wait_for(first, "loading")
+        time.sleep(0.5)  # its copies are queued
+        out, _ = late.communicate("go\n", timeout=120)
+        first.communicate("end\n", timeout=60)
         assert out.strip().endswith("own rows"), out

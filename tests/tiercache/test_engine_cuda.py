@@ -13,6 +13,7 @@ from tiercache.tiers.device import DeviceConfig
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
 from drills.worlds import hybrid_layout, prompt_keys, random_buffers
+from tests.gpu.gpu_worker import sleep_gpu
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -166,4 +167,40 @@ def test_a_prompt_larger_than_the_device_tier_goes_to_the_host_and_device_evicti
     result = engine.load(dest, keys, range(10, 16), slot=3)
     assert result.match.pages == 6 and set(result.bytes_from) == {Tier.HOST}
     assert same(rows_of(dest, range(10, 16)), rows_of(source, range(6)))
+    engine.close()
+
+
+@pytest.mark.concurrent  # it returns with its loads in flight
+@pytest.mark.parametrize("device_tier", [False, True])
+def test_asynchronous_loads_behind_the_workers_own_gpu_work_return_before_it_is_done(device_tier):
+    # A load's copies wait on the GPU for the worker's ready event, never on the host: with
+    # seconds of the worker's work queued ahead of that event, the load returns at once,
+    # and so does another worker's load queued behind it on the engine's streams. (The
+    # first launch of each kind of copy loads its kernel, which waits for the device:
+    # these loads ran once before.)
+    engine = open_with_device(1 << 22) if device_tier else open_engine()
+    source, first, second = on_gpu(1), on_gpu(2), on_gpu(3)
+    keys = prompt_keys(LAYOUT, seed=1, pages=6)
+    engine.store(source, keys, range(6), {6: 0})
+    engine.background.drain()
+    engine.load(first, keys, range(10, 16), slot=3)
+    engine.load(second, keys, range(20, 26), slot=4)
+    for worker in (first, second):  # what the loads below must bring again
+        for buffer in (*worker.paged, *worker.slots):
+            buffer.zero_()
+    torch.cuda.synchronize()
+    busy = torch.cuda.Stream()
+    with torch.cuda.stream(busy):
+        sleep_gpu(3)
+        ready = torch.cuda.Event()
+        ready.record(busy)
+    loads = [engine.load(first, keys, range(10, 16), slot=3, ready=ready, asynchronous=True),
+             engine.load(second, keys, range(20, 26), slot=4, asynchronous=True)]
+    assert not busy.query()  # both returned while the worker's own work still ran
+    assert all(load.match.pages == 6 for load in loads)
+    for load in loads:
+        load.done.synchronize()
+    assert same(rows_of(first, range(10, 16)), rows_of(source, range(6)))
+    assert same(state_of(first, 3), state_of(source, 0))
+    assert same(rows_of(second, range(20, 26)), rows_of(source, range(6)))
     engine.close()
