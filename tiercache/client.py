@@ -114,7 +114,9 @@ class Worker:
     def load(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
              slot: int | None = None, synchronous: bool = False) -> LoadResult:
         """Copy the longest hybrid match (at most len(kv_rows) pages) into kv_rows and slot.
-        On a GPU the current stream is made to wait for the copies (see the module doc)."""
+        On a GPU the current stream is made to wait for the copies (see the module doc),
+        whatever the load returns or raises: through a daemon, a load that failed may have
+        queued copies into the rows before it did."""
         return self._backend.load(self._packed(tokens, keys), _row_array(kv_rows), slot, synchronous)
 
     def store(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
