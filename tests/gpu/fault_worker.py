@@ -44,8 +44,8 @@ def poison(tensors, value: int) -> None:
     bits(tensors["state"])[1].fill_(value)
 
 
-def stored(address: str, seed: int, timeout: float = 30.0):
-    worker, tensors = register(address, layout(1 << 16, 4, rows=2 * PAGES), seed, timeout)
+def stored(address: str, seed: int):
+    worker, tensors = register(address, layout(1 << 16, 4, rows=2 * PAGES), seed)
     source = {name: bits(t).clone() for name, t in tensors.items()}
     worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
     torch.cuda.synchronize()
