@@ -188,11 +188,14 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                 # the worker's own done event (it waits on it whatever the reply), else one
                 # of ours for an asynchronous load, handed back in the reply
                 given = _event(request.done_event, worker, "done_event")
+                if given is None and asynchronous:
+                    done = _done_event(worker)
+                else:
+                    done = given
                 result = self.engine.load(worker.buffers, worker.engine_keys(keys), rows, slot,
                                           ready=_event(request.ready_event, worker),
                                           asynchronous=asynchronous, checks=checks,
-                                          done_event=given or (_done_event(worker) if asynchronous else None),
-                                          alive=lambda: _waiting(context))
+                                          done_event=done, alive=lambda: _waiting(context))
                 # the pages it could take: as many as its rows, or the prompt without paged buffers
                 asked = min(len(keys), len(rows)) if worker.layout.needs_pages else len(keys)
                 self.lookups.loaded(worker.namespace.model_id, request.keys, asked, result.match.pages)

@@ -51,6 +51,12 @@ CASES = {
     "load, rows given twice": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
         pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w), kv_rows=[1], slot=1,
                        kv_rows_packed=np.array([1], "<u4").tobytes()))),
+    "load, a done event from a CPU worker": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
+        pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w), kv_rows=[1, 2], slot=1,
+                       done_event=b"\1" * 64))),
+    "store, a done event from a CPU worker": (CODE.INVALID_ARGUMENT, lambda s, w: s.Store(
+        pb.StoreRequest(worker_id=w._backend._id, keys=keys_of(w, list(range(96))),
+                        kv_rows=range(6), done_event=b"\1" * 64))),
     "load, slot out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
         pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w), kv_rows=[1, 2], slot=16))),
     "store, row out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Store(
