@@ -128,12 +128,13 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                  ) -> Iterator[pb.RegisterResponse]:
         identity = self.auth.identify(context)
         registration = self.registry.add(request, identity, self.auth.hash_of(identity.tenant))
-        if registration.group is not None:
-            try:
+        try:
+            if registration.group is not None:
                 self.groups.join(registration)
-            except Exception:
-                self.registry.remove(registration.id)
-                raise
+            self.engine.prepare(registration.buffers)  # on a GPU: the copy kernels, loaded now
+        except Exception:
+            self.registry.remove(registration.id)
+            raise
         # the stream's end, for whatever reason (worker gone, unregister, shutdown), unregisters
         if not context.add_callback(lambda: self.registry.remove(registration.id)):
             self.registry.remove(registration.id)  # the call ended already

@@ -486,6 +486,7 @@ class EmbeddedClient:
         bound = WorkerBuffers.bind(layout, {n: t for n, t in tensors.items() if n in paged},
                                    {n: t for n, t in tensors.items() if n not in paged})
         namespace = Namespace(model_id, layout.fingerprint, "", tuple(extra_keys), hash_name)
+        self.engine.prepare(bound)
         return Worker(_Embedded(self.engine, bound), layout, namespace.root(), hash_name, tensors)
 
     def stats(self) -> CacheStats:

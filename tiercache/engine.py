@@ -212,6 +212,18 @@ class Engine:
                     self._start_background()
             return self._cuda[index]
 
+    def prepare(self, buffers: WorkerBuffers) -> None:
+        """Ready the copies of a worker's buffers before its first call: on a GPU, build
+        their tables and load the kernels that copy them, which waits for the copies
+        queued on that GPU (at registration, rather than in the worker's first store or
+        load, behind its own queued work)."""
+        self.books.check_open()
+        transfer = self._transfer_for(buffers)
+        for rows, offsets in ((buffers.paged, buffers.page_offsets),
+                              (buffers.slots, buffers.slot_offsets)):
+            if rows:
+                transfer.prepare(rows, offsets)
+
     def quiesce(self, buffers: WorkerBuffers) -> None:
         """Return once no copy of this engine touches `buffers` (before they are unmapped)."""
         self.stores.publishing.settle()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +31,14 @@ BLOCK_WORDS = 2048  # words one program moves per step, at most; the shortest ro
 WORDS_PER_THREAD = 4  # one 16-byte vector each
 
 
-@triton.jit
+# The tables' addresses and the buffer count are not specialised on (their alignment, or
+# a count of 1): a launch's kind is then its direction and step alone, a few per group
+# of buffers, all compiled and loaded when the group registers (`prepare`).
+_TABLES = ["buffer_base", "buffer_stride", "buffer_width", "buffer_offset", "entry_row",
+           "entry_slot", "n_buffers"]
+
+
+@triton.jit(do_not_specialize=_TABLES, do_not_specialize_on_alignment=_TABLES)
 def _copy_rows(buffer_base, buffer_stride, buffer_width, buffer_offset, entry_row, entry_slot,
                n_buffers, to_slots: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     # Program (entry * n_buffers + buffer, chunk) moves up to CHUNK words (int32) of one row.
@@ -86,12 +93,11 @@ class BufferTable:
         return cls(*on_device, int(host[2].max()), int(host[2].min()), host)
 
 
-# The kernels compiled so far, by what Triton specialises a launch on (the device, the
-# dtypes, constexprs and warps, the arguments' divisibility by 16 and equality to 1): a launch
-# whose kind has run once goes straight to its compiled kernel. Triton's own dispatch
-# (binding and specialising the arguments, hashing the key) took 54-78 us a launch hot
-# and 208-218 us after 10 ms idle on an H100 host, against 14-23 and 89-107 us straight.
-_compiled: dict[tuple, Any] = {}
+# The kernels loaded so far, by (device, direction, step): a launch of a kind loaded
+# before goes straight to its compiled kernel. Triton's own dispatch (binding and
+# specialising the arguments, hashing the key) took 54-78 us a launch hot and 208-218 us
+# after 10 ms idle on an H100 host, against 14-23 and 89-107 us straight.
+_compiled: dict[tuple[int, bool, int], Any] = {}
 
 
 def copy_rows(table: BufferTable, rows: torch.Tensor, slot_addresses: torch.Tensor,
@@ -106,17 +112,36 @@ def copy_rows(table: BufferTable, rows: torch.Tensor, slot_addresses: torch.Tens
         return
     grid = (entries * buffers, triton.cdiv(table.max_width // 4, CHUNK_WORDS), 1)
     block = block_words(table.min_width)
-    warps = max(1, min(8, block // (32 * WORDS_PER_THREAD)))
     pointers = (table.base, table.stride, table.width, table.offset, rows, slot_addresses)
-    key = (rows.device.index, rows.dtype, slot_addresses.dtype, to_slots, block, warps,
-           buffers == 1, buffers % 16 == 0, *(p.data_ptr() % 16 == 0 for p in pointers))
+    key = (rows.device.index, to_slots, block)
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         compiled = _compiled.get(key)
         if compiled is not None:
             compiled[grid](*pointers, buffers, to_slots, CHUNK_WORDS, block)
         else:
-            _compiled[key] = _copy_rows[grid](*pointers, buffers, to_slots=to_slots, CHUNK=CHUNK_WORDS,
-                                              BLOCK=block, num_warps=warps)
+            _compiled[key] = _through_triton(grid, pointers, buffers, to_slots, block)
+
+
+def prepare(device: torch.device, row_bytes: Iterable[int]) -> None:
+    """Compile and load, if not yet, the kernels that copy rows as short as each of
+    `row_bytes`, both ways. Loading a kernel into the GPU's context waits for every copy
+    queued on it, and so for whatever worker work those wait for: done when a worker
+    registers, not in its first store or load."""
+    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        nothing = torch.empty(0, dtype=torch.int64, device=device)
+        for block in {block_words(width) for width in row_bytes}:
+            for to_slots in (True, False):
+                key = (nothing.device.index, to_slots, block)
+                if key not in _compiled:  # a grid of none: loaded, nothing launched
+                    _compiled[key] = _through_triton((0, 1, 1), (nothing,) * 6, 1, to_slots, block)
+
+
+def _through_triton(grid: tuple[int, int, int], pointers: Sequence[torch.Tensor], buffers: int,
+                    to_slots: bool, block: int) -> Any:
+    """Launch through Triton's dispatch (compiling, or finding the kernel on disk, and
+    loading it at its first launch); returns the compiled kernel."""
+    return _copy_rows[grid](*pointers, buffers, to_slots=to_slots, CHUNK=CHUNK_WORDS, BLOCK=block,
+                            num_warps=max(1, min(8, block // (32 * WORDS_PER_THREAD))))
 
 
 def block_words(min_width: int) -> int:

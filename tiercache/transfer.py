@@ -51,6 +51,7 @@ class Transfer(Protocol):
     def fence(self, direction: str, interprocess: bool = False, into: Any = None) -> Any: ...
     def synchronize(self) -> None: ...
     def forget(self, buffers: Sequence[torch.Tensor]) -> None: ...
+    def prepare(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int]) -> None: ...
     def close(self) -> None: ...
 
 
@@ -139,6 +140,9 @@ class CpuTransfer:
 
     def forget(self, buffers: Sequence[torch.Tensor]) -> None:
         pass  # nothing cached per buffer
+
+    def prepare(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
+        pass  # nothing to ready
 
     def close(self) -> None:
         if self._pool is not None:
@@ -272,6 +276,15 @@ class CudaTransfer:
     def forget(self, buffers: Sequence[torch.Tensor]) -> None:
         """Drop what was cached for buffers that are going away."""
         self._tables.pop(id(buffers), None)
+
+    def prepare(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
+        """Build the buffers' tables, and load the kernels that copy their rows and move
+        their entries between tiers (kernels.prepare: a kernel's first load waits for the
+        GPU's queued copies)."""
+        from tiercache.kernels import prepare  # Triton only where there is a GPU
+        table, short = self._table(buffers, offsets)
+        widths = [table.min_width, sum(b.shape[1] for b in buffers)]
+        prepare(self.device, widths + ([short.min_width] if short is not None else []))
 
     def _launch(self, buffers: Sequence[torch.Tensor], offsets: Sequence[int], rows: np.ndarray,
                 parts: Sequence[SlabPart], to_slots: bool) -> None:

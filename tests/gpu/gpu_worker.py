@@ -10,6 +10,9 @@ stream: a large asynchronous load, read at once by a kernel on the same stream w
 host synchronisation in between; prints "ok" if the kernel saw the loaded bytes.
 reuse: stores that return with their copies queued, each followed at once by new
 writes to the rows it read; prints "ok" if every entry holds the bytes from before.
+behind: the first store and load a fresh daemon makes, each queued behind seconds of
+the worker's GPU work; prints "ok" if both returned before that work was done and the
+load brought the stored bytes.
 hold: stores one prompt, prints "stored", then waits to be killed.
 """
 
@@ -134,6 +137,35 @@ def reuse(address: str, seed: int) -> None:
     worker.close()
 
 
+def behind(address: str, seed: int) -> None:
+    """A daemon's first launch of a kernel loads it into the GPU's context, which waits
+    for the copies queued there, and so for the worker work they wait for: done at
+    registration, a worker's first store and load return with their copies queued."""
+    shape = layout(16384, 4, rows=2 * PAGES)  # rows the copy kernel moves, in both tiers
+    worker, tensors = register(address, shape, seed)
+    source = {name: bits(t).clone() for name, t in tensors.items()}
+    waited = []
+
+    def behind_work(step, call):
+        sleep_gpu(4)  # the worker's own work, queued before the call
+        busy = torch.cuda.Event()
+        busy.record()
+        out = call()
+        waited.extend([step] if busy.query() else [])  # the work done: the call waited for it
+        torch.cuda.synchronize()
+        return out
+
+    behind_work("store", lambda: worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0}))
+    for i in range(4):  # the rows and slot the load writes
+        bits(tensors[f"kv{i}"])[PAGES:].fill_(0xA5)
+    bits(tensors["state"])[1].fill_(0xA5)
+    result = behind_work("load", lambda: worker.load(prompt(0), kv_rows=range(PAGES, 2 * PAGES), slot=1))
+    exact = result.match.pages == PAGES and torch.equal(bits(tensors["state"])[1], source["state"][0]) and all(
+        torch.equal(bits(tensors[f"kv{i}"])[PAGES:], source[f"kv{i}"][:PAGES]) for i in range(4))
+    print("ok" if exact and not waited else f"bad: waited in {waited}, exact {exact}", flush=True)
+    worker.close()
+
+
 def hold(address: str, seed: int) -> None:
     worker, _ = register(address, layout(4096, 4, rows=16), seed)
     worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
@@ -164,5 +196,7 @@ if __name__ == "__main__":
         ordered(address, seed)
     elif mode == "reuse":
         reuse(address, seed)
+    elif mode == "behind":
+        behind(address, seed)
     else:
         hold(address, seed)

@@ -57,6 +57,15 @@ def test_rows_written_right_after_a_stores_reply_do_not_reach_its_entries(tmp_pa
         assert finish(worker("reuse", address, "6")) == "ok"
 
 
+@pytest.mark.parametrize("tier", ["host", "device"])
+def test_a_fresh_daemons_first_store_and_load_do_not_wait_for_the_workers_gpu_work(tmp_path, tier):
+    # the copy kernels are loaded when the worker registers: loading one at the first
+    # store or load waited for the worker's work queued before the call (seconds here)
+    flags = ["--device-budget", "1GiB"] if tier == "device" else []
+    with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk", *flags) as (address, _):
+        assert finish(worker("behind", address, "7")) == "ok"
+
+
 def test_a_killed_worker_is_unmapped_and_others_are_served(tmp_path):
     with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, daemon):
         holder = worker("hold", address, "3")

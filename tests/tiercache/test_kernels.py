@@ -69,10 +69,11 @@ def test_unaligned_rows_are_refused():
         BufferTable.of([odd], [0], DEVICE)
 
 
-def test_launches_of_a_kind_seen_before_and_of_another_alignment_copy_exactly():
+def test_launches_of_a_kind_seen_before_and_of_any_alignment_copy_exactly():
     # the second launch of a kind goes straight to its compiled kernel (kernels._compiled);
-    # rows and slot addresses 8 bytes off a multiple of 16 are another kind (Triton
-    # specialises on alignment), compiled for themselves
+    # rows and slot addresses 8 bytes off a multiple of 16 are the same kind (the tables'
+    # alignment is not specialised on): the kernel compiled for aligned ones copies them
+    from tiercache import kernels
     source = random_rows(16, 4096, 3)
     slab = torch.zeros((16, 4096), dtype=torch.uint8, device=DEVICE)
     table = BufferTable.of([source], [0], DEVICE)
@@ -83,3 +84,22 @@ def test_launches_of_a_kind_seen_before_and_of_another_alignment_copy_exactly():
         copy_rows(table, every_row[start:start + 15], every_slot[start:start + 15], to_slots=True)
         assert torch.equal(slab[start:start + 15], source[start:start + 15])
         assert int(slab[15 if start == 0 else 0].sum()) == 0
+    if DEVICE.type == "cuda":  # one kernel for both alignments (the interpreter keeps none)
+        assert [k for k in kernels._compiled if k[1:] == (True, 1024)] == [(DEVICE.index or 0, True, 1024)]
+
+
+def test_prepared_kernels_are_loaded_both_ways_and_copy_exactly():
+    # what a worker's registration does (Engine.prepare): a launch of no entries loads
+    # the kernel of each direction, and later copies of that kind go straight to it
+    from tiercache import kernels
+    kernels.prepare(DEVICE, [8192 + 16])  # a step of 2,048 words
+    if DEVICE.type == "cuda":
+        index = torch.empty(0, device=DEVICE).device.index
+        assert {(index, True, 2048), (index, False, 2048)} <= set(kernels._compiled)
+    source = random_rows(4, 8192 + 16, 4)
+    slab = torch.zeros((4, 8192 + 16), dtype=torch.uint8, device=DEVICE)
+    slots = torch.tensor([slab[s].data_ptr() for s in (2, 0, 3, 1)], device=DEVICE)
+    copy_rows(BufferTable.of([source], [0], DEVICE), torch.arange(4, device=DEVICE), slots, to_slots=True)
+    back = torch.zeros_like(source)
+    copy_rows(BufferTable.of([back], [0], DEVICE), torch.arange(4, device=DEVICE), slots, to_slots=False)
+    assert torch.equal(back, source) and torch.equal(slab[2], source[0])
