@@ -165,7 +165,8 @@ class Worker:
     @property
     def connected(self) -> bool:
         """Whether the registration still stands. A daemon that went away cannot finish
-        asynchronous loads that already replied: if this turns False, recompute them."""
+        the copies of calls that already replied: if this turns False while some were
+        still queued, the current stream waits on them forever (README, Failures)."""
         return self._backend.connected()
 
     def close(self) -> None:
