@@ -102,10 +102,6 @@ def replied(address: str, seed: int) -> None:
 
 def ahead(address: str, seed: int) -> None:
     worker, _, _ = stored(address, seed)
-    # the first launch of each kind of copy loads its kernel, which waits for the device
-    # (so for the GPU work below): a load first, its reply held like any load's
-    worker.load(prompt(0), kv_rows=ROWS, slot=1)
-    torch.cuda.synchronize()
     sleep_gpu(8)
     print("loading", flush=True)
     worker.load(prompt(0), kv_rows=ROWS, slot=1)  # its copies wait for the 8 s of work
