@@ -3,6 +3,7 @@ raised as tiercache errors and turned into status codes by service.errors."""
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import AbstractContextManager
 from typing import Iterator
@@ -20,6 +21,7 @@ from tiercache import trace
 from tiercache.engine import Engine
 from tiercache.errors import DeadlineExceeded, InvalidArgument
 from tiercache.hashing import KEY_BYTES
+from tiercache.signals import process_started
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 from tiercache.wire import (load_to_proto, match_to_proto, store_to_proto, tier_from_proto,
@@ -38,6 +40,28 @@ def _event(handle: bytes, worker: Registration, field: str = "ready_event") -> t
         return worker.events.open(device, handle)
     except RuntimeError as error:
         raise InvalidArgument(f"{field} is not a CUDA IPC event handle: {error}") from None
+
+
+def _signalled(request: pb.LoadRequest | pb.StoreRequest, worker: Registration
+               ) -> tuple[int, int] | None:
+    """The request's (slot, value) in the worker's signal words, if it gives one."""
+    if not request.HasField("signal"):
+        return None
+    if worker.signals is None:
+        raise InvalidArgument("signal names words of RegisterRequest.signals: this worker "
+                              "registered none")
+    if request.ready_event:
+        raise InvalidArgument("give ready_event or signal, not both")
+    return request.signal.slot, request.signal.value
+
+
+def _ready(request: pb.LoadRequest | pb.StoreRequest, worker: Registration,
+           signalled: tuple[int, int] | None) -> object | None:
+    """What the call's copies wait on before they touch the worker's rows: its ready word,
+    or its ready event."""
+    if signalled is not None:
+        return worker.signals.ready(*signalled)
+    return _event(request.ready_event, worker)
 
 
 _DONE_EVENTS = 4  # events a worker's asynchronous loads hand back, in turn
@@ -143,7 +167,9 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         yield pb.RegisterResponse(worker_id=registration.id, namespace_root=registration.root,
                                   reads_packed_rows=True,
                                   layout_fingerprint=namespace.layout_fingerprint,
-                                  hash=namespace.hash_name)
+                                  hash=namespace.hash_name,
+                                  reads_signals=registration.signals is not None,
+                                  pid=os.getpid(), started=process_started(os.getpid()) or 0)
         while not registration.gone.wait(1.0) and not self.stopping.is_set() and context.is_active():
             pass
 
@@ -189,18 +215,21 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                 # the worker's own done event (it waits on it whatever the reply), else one
                 # of ours for an asynchronous load, handed back in the reply
                 given = _event(request.done_event, worker, "done_event")
-                if given is None and asynchronous:
+                signalled = _signalled(request, worker)
+                ready = _ready(request, worker, signalled)
+                if signalled is not None and asynchronous:
+                    done = worker.signals.done(*signalled, given)
+                elif given is None and asynchronous:
                     done = _done_event(worker)
                 else:
                     done = given
                 result = self.engine.load(worker.buffers, worker.engine_keys(keys), rows, slot,
-                                          ready=_event(request.ready_event, worker),
-                                          asynchronous=asynchronous, checks=checks,
+                                          ready=ready, asynchronous=asynchronous, checks=checks,
                                           done_event=done, alive=lambda: _waiting(context))
                 # the pages it could take: as many as its rows, or the prompt without paged buffers
                 asked = min(len(keys), len(rows)) if worker.layout.needs_pages else len(keys)
                 self.lookups.loaded(worker.namespace.model_id, request.keys, asked, result.match.pages)
-            return load_to_proto(result, hand_back=given is None)
+            return load_to_proto(result, hand_back=given is None and signalled is None)
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
         with trace.call("Store"):  # a breakdown, when TIERCACHE_TRACE asks for one
@@ -212,13 +241,17 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             rows = self._rows(request)
             with self._worker(request.worker_id, context) as worker:
                 keys = worker.engine_keys(keys)
+                signalled = _signalled(request, worker)
+                ready = _ready(request, worker, signalled)
+                done = _event(request.done_event, worker, "done_event")
+                if signalled is not None and done is not None and not request.durable:
+                    done = worker.signals.done(*signalled, done)
                 shared = self.fleet.before_store(worker, keys, request.event_tokens)
-                result = self.engine.store(worker.buffers, keys, rows, checkpoints,
-                                           ready=_event(request.ready_event, worker), checks=checks,
-                                           alive=lambda: _waiting(context), durable=request.durable,
+                result = self.engine.store(worker.buffers, keys, rows, checkpoints, ready=ready,
+                                           checks=checks, alive=lambda: _waiting(context),
+                                           durable=request.durable,
                                            timeout=context.time_remaining(), remote=shared,
-                                           first_page=request.first_page,
-                                           done_event=_event(request.done_event, worker, "done_event"))
+                                           first_page=request.first_page, done_event=done)
             return store_to_proto(result)
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:

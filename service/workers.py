@@ -5,6 +5,7 @@ using it, so no copy ever runs on an unmapped buffer."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import secrets
 import threading
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from tiercache_service.auth import Identity
 from tiercache_service.groups import Membership, member_keys, membership_of
 from tiercache import cuda_ipc, shm, tenancy
 from tiercache.cuda_ipc import OpenedEvents
+from tiercache.signals import DaemonSignals
 from tiercache.buffers import WorkerBuffers
 from tiercache.errors import (InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                               TiercacheError)
@@ -25,6 +27,8 @@ from tiercache.hashing import Namespace, PageKey
 from tiercache.layout import Layout
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.wire import layout_from_proto
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Registration:
     group: Membership | None = None  # the group it is a rank of (service.groups), if any
     events: OpenedEvents = field(default_factory=OpenedEvents)  # its ready events (servicer)
     done_events: list = field(default_factory=list)  # the events its loads hand back (servicer)
+    signals: DaemonSignals | None = None  # its signal words (GPU workers whose client sends them)
 
     @property
     def layout(self) -> Layout:
@@ -142,6 +147,24 @@ def _open_cuda(layout: Layout, locations: Sequence[pb.BufferLocation],
     return tensors
 
 
+def _open_signals(request: pb.RegisterRequest, buffers: WorkerBuffers,
+                  opened: list[cuda_ipc.Opened]) -> DaemonSignals | None:
+    """The worker's signal words (tiercache/signals.py), on the GPU of its buffers."""
+    if not request.HasField("signals"):
+        return None
+    location = request.signals
+    if not location.HasField("cuda") or buffers.device.type != "cuda" or \
+            cuda_ipc.local_device(location.cuda.device_uuid) != buffers.device.index:
+        raise InvalidArgument("signals are GPU memory on the GPU of the worker's buffers: "
+                              "give them only with CUDA buffers, on the same GPU")
+    handle = bytes(location.cuda.handle)
+    allocation = next((a for a in opened if a.handle == handle), None)
+    if allocation is None:
+        allocation = cuda_ipc.Opened(handle, buffers.device.index)
+        opened.append(allocation)
+    return DaemonSignals(allocation, int(location.cuda.offset), int(location.nbytes))
+
+
 class NoHandover:
     """For registries without shared memory (GPU-only or in-process tests)."""
 
@@ -208,20 +231,26 @@ class WorkerRegistry:
         membership = membership_of(request)
         check_layout(layout, self.limits)
         self._check_room(identity.tenant)
-        self._check_handles(request.buffers, identity)
+        locations = [*request.buffers, *([request.signals] if request.HasField("signals") else [])]
+        self._check_handles(locations, identity)
         buffers, opened = map_buffers(layout, request.buffers, self.limits, self._tickets.redeem)
+        try:
+            signals = _open_signals(request, buffers, opened)
+        except BaseException:
+            for allocation in opened:
+                allocation.close()
+            raise
         mask = None if self._secret is None else tenancy.namespace_mask(self._secret, root)
         if membership is not None:  # hashes from the group's root; its own mask keeps it apart
             root, mask = member_keys(namespace, mask)
         registration = Registration(secrets.token_hex(12), namespace, root, buffers, opened,
                                     identity=identity, mask=mask, group=membership,
-                                    handles=frozenset(bytes(loc.cuda.handle)
-                                                      for loc in request.buffers
-                                                      if loc.HasField("cuda")))
+                                    handles=frozenset(bytes(loc.cuda.handle) for loc in locations
+                                                      if loc.HasField("cuda")), signals=signals)
         with self._changed:
             try:
                 self._check_room(identity.tenant)
-                self._check_handles(request.buffers, identity)
+                self._check_handles(locations, identity)
             except TiercacheError:
                 registration.buffers = None
                 for allocation in opened:
@@ -280,6 +309,12 @@ class WorkerRegistry:
             registration = self._workers.pop(worker_id, None)
             if registration is None:
                 return False
+            if registration.signals is not None:  # its own stream may never write them
+                released = registration.signals.release()
+                if released:
+                    log.warning("worker %s went with %d calls whose copies still waited for its "
+                                "GPU work: released them (its stores among them are dropped)",
+                                worker_id, released)
             while registration.active:
                 self._changed.wait()
             if registration.buffers is not None:

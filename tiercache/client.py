@@ -27,8 +27,10 @@ instead). A call made after a store returns sees its entries either way.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
@@ -48,10 +50,13 @@ from tiercache.results import CacheStats, LoadResult, Match, StoreResult, Tier
 from tiercache.layout import Layout
 from tiercache.regions import SharedRegion, region_locations
 from tiercache.shm import SharedBuffers
+from tiercache.signals import WorkerSignals, process_started
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 from tiercache.wire import (error_of, layout_to_proto, load_from_proto, match_from_proto,
                             store_from_proto, tier_stats_from_proto)
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the engine (LMDB, the movers) loads only for the embedded client
     from tiercache.engine import Engine, EngineConfig
@@ -217,13 +222,20 @@ def _ready_event(device: torch.device | None) -> torch.cuda.Event | None:
 class _Remote:
     def __init__(self, stub: pb_grpc.TiercacheStub, worker_id: str, stream: Any,
                  shared: SharedBuffers | None, device: torch.device | None, timeout: float,
-                 metadata: tuple[tuple[str, str], ...], packed: bool) -> None:
+                 metadata: tuple[tuple[str, str], ...], packed: bool,
+                 signals: WorkerSignals | None = None, daemon: tuple[int, int] | None = None) -> None:
         self._stub, self._id, self._stream = stub, worker_id, stream
         self._packed = packed  # the daemon reads kv_rows_packed
         self._shared, self._device, self._timeout = shared, device, timeout
         self._call = {"timeout": timeout, "metadata": metadata}
         self._events = _Events(device)  # the ready events this worker hands the daemon
         self._done = OpenedEvents()  # the daemon's, for its asynchronous loads
+        self._signals = signals  # where the daemon reads them (tiercache/signals.py)
+        self._daemon = daemon  # (pid, start) where this process can see the daemon's process
+        self._closing = False
+        if signals is not None:
+            stream.add_done_callback(lambda _: threading.Thread(
+                target=self._watch, name="tiercache-release", daemon=True).start())
 
     def match(self, prompt: Request, prefetch: bool) -> Match:
         request = pb.MatchRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
@@ -231,14 +243,13 @@ class _Remote:
         return match_from_proto(_rpc(lambda: self._stub.Match(request, **self._call)).match)
 
     def load(self, prompt: Request, rows: np.ndarray, slot: int | None, synchronous: bool) -> LoadResult:
-        # the current stream waits on `done` however the call ends: a load whose reply was
-        # lost (its deadline passed) may have copies into the rows still queued
-        with self._events.marked() as ready, self._events.awaited() as done:
+        asynchronous = self._device is not None and not synchronous
+        with self._ordered(None, True, asynchronous) as (fields, replied):
             request = pb.LoadRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                     slot=slot, ready_event=ready, done_event=done,
-                                     **_rows_fields(rows, self._packed),
-                                     asynchronous=bool(ready) and not synchronous)
+                                     slot=slot, **fields, **_rows_fields(rows, self._packed),
+                                     asynchronous=asynchronous)
             reply = _rpc(lambda: self._stub.Load(request, **self._call))
+            replied()
         result = load_from_proto(reply)
         if not request.asynchronous:
             return result
@@ -251,14 +262,60 @@ class _Remote:
 
     def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
               durable: bool, ready: Any = None, synchronous: bool = False) -> StoreResult:
-        with self._events.marked(ready) as handle, self._events.awaited(not synchronous) as done:
+        # a durable store replies once its copies are done: the daemon writes no done word
+        with self._ordered(ready, not synchronous, not (synchronous or durable)) as (fields, replied):
             request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
                                       durable=durable, event_tokens=prompt.tokens,
-                                      first_page=prompt.first_page, ready_event=handle,
-                                      done_event=done, **_rows_fields(rows, self._packed),
+                                      first_page=prompt.first_page, **fields,
+                                      **_rows_fields(rows, self._packed),
                                       checkpoints=[pb.Checkpoint(pages=n, slot=s)
                                                    for n, s in sorted(checkpoints.items())])
-            return store_from_proto(_rpc(lambda: self._stub.Store(request, **self._call)))
+            result = store_from_proto(_rpc(lambda: self._stub.Store(request, **self._call)))
+            replied()
+            return result
+
+    @contextmanager
+    def _ordered(self, given: Any, awaited: bool, asynchronous: bool
+                 ) -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
+        """The request's fields that order its copies after the work queued on the current
+        stream (or after the caller's `given` event) and, if `awaited`, that stream's later
+        work after the copies; and what to call once the reply came. Where the daemon
+        reads signal words (tiercache/signals.py), a reply to an `asynchronous` call
+        makes the stream wait on the done word: if the daemon dies now, this worker can
+        write that word itself (`_watch`). Without a reply (an error, or a reply lost
+        past its deadline, whose copies may still be queued), the stream waits on the
+        done event instead, which the daemon records after the word: a wait for nothing
+        if it never recorded it, but forever if it dies with the record queued."""
+        signals, replied = self._signals, []
+        if signals is None:
+            with self._events.marked(given) as ready, self._events.awaited(awaited) as done:
+                yield {"ready_event": ready, "done_event": done}, lambda: None
+            return
+        with signals.call(given) as call, \
+                self._events.awaited(awaited, unless=lambda: bool(replied)) as done:
+            def reply() -> None:
+                if asynchronous:
+                    call.await_done()
+                replied.append(True)
+            yield {"signal": pb.Signal(slot=call.slot, value=call.value), "done_event": done}, reply
+
+    def _watch(self) -> None:
+        """The registration stream ended: once the daemon's process is gone, write the
+        done words this worker's streams still wait on (its queued copies will never run).
+        A daemon this process cannot see is never known to be gone (README, Failures)."""
+        signals, daemon = self._signals, self._daemon
+        if self._closing or signals is None or daemon is None:
+            return
+        pid, started = daemon
+        while process_started(pid) == started:
+            if not signals.waiting():
+                return
+            time.sleep(0.05)
+        released = signals.release()
+        if released:
+            log.warning("the daemon (pid %d) died with the copies of %d calls of this worker "
+                        "queued: their waits are released; the rows of those loads hold what "
+                        "they held before, and their stores were not kept", pid, released)
 
     def evict(self, prompt: Request, tier: Tier | None) -> int:
         request = pb.EvictRequest(worker_id=self._id, keys=prompt.keys, tier=int(tier or 0))
@@ -268,9 +325,15 @@ class _Remote:
         return not self._stream.done()  # the registration stream ends with the daemon
 
     def close(self) -> None:
+        self._closing = True
+        if self._signals is not None and not self._stream.done():
+            # the daemon releases the waits of a registration that ends: let this worker's
+            # own work before them finish first (or its copies could run before it)
+            torch.cuda.current_stream(self._device).synchronize()
         self._stream.cancel()  # ends the registration: the daemon unmaps the buffers
-        if self._shared is not None:
-            self._shared.close()
+        for owned in (self._shared, self._signals):
+            if owned is not None:
+                owned.close()
 
 
 class Client:
@@ -316,21 +379,29 @@ class Client:
         else:
             tensors, locations = dict(buffers), _cuda_locations(buffers)
             device = next(iter(tensors.values())).device
+        signals = WorkerSignals(device) if device is not None else None
         request = pb.RegisterRequest(model_id=model_id, layout=layout_to_proto(layout),
                                      extra_keys=extra_keys, hash=hash_name, buffers=locations,
-                                     group=group.to_proto() if group is not None else None)
+                                     group=group.to_proto() if group is not None else None,
+                                     signals=_signals_location(signals))
         try:
             stream: Iterator[pb.RegisterResponse] = self._stub.Register(request,
                                                                       metadata=self._metadata)
             reply = _rpc(lambda: next(stream))
         except (TiercacheError, StopIteration) as error:
-            if shared is not None:
-                shared.close()
+            for owned in (shared, signals):
+                if owned is not None:
+                    owned.close()
             if isinstance(error, StopIteration):
                 raise Unavailable(f"the daemon at {self.address} closed the registration") from None
             raise
+        if signals is not None and not reply.reads_signals:  # an older daemon: events only
+            signals.close()
+            signals = None
+        seen = reply.pid and process_started(reply.pid) == reply.started
         backend = _Remote(self._stub, reply.worker_id, stream, shared, device, self.timeout,
-                          self._metadata, reply.reads_packed_rows)
+                          self._metadata, reply.reads_packed_rows, signals,
+                          (reply.pid, reply.started) if seen else None)
         return Worker(backend, layout, PageKey(reply.namespace_root), reply.hash, tensors)
 
     def _handover(self) -> str:
@@ -364,12 +435,16 @@ def _cuda_locations(buffers: Mapping[str, torch.Tensor]) -> list[pb.BufferLocati
                               "register without buffers and compute in worker.paged / worker.slots "
                               "(shared memory the daemon can map)")
     from tiercache import cuda_ipc  # needs cuda-bindings: GPU machines only
-    locations = []
-    for name, tensor in buffers.items():
-        exported = cuda_ipc.export(tensor)
-        locations.append(pb.BufferLocation(name=name, nbytes=exported.nbytes, cuda=pb.CudaIpcBuffer(
-            handle=exported.handle, offset=exported.offset, device_uuid=exported.device_uuid)))
-    return locations
+    return [_cuda_location(name, cuda_ipc.export(tensor)) for name, tensor in buffers.items()]
+
+
+def _signals_location(signals: WorkerSignals | None) -> pb.BufferLocation | None:
+    return None if signals is None else _cuda_location("signals", signals.exported)
+
+
+def _cuda_location(name: str, exported: Any) -> pb.BufferLocation:
+    return pb.BufferLocation(name=name, nbytes=exported.nbytes, cuda=pb.CudaIpcBuffer(
+        handle=exported.handle, offset=exported.offset, device_uuid=exported.device_uuid))
 
 
 class _Events:
@@ -397,12 +472,12 @@ class _Events:
             yield handle
 
     @contextmanager
-    def awaited(self, wanted: bool = True) -> Iterator[bytes]:
+    def awaited(self, wanted: bool = True, unless: Callable[[], bool] = lambda: False) -> Iterator[bytes]:
         """The handle of an event for the daemon to record after a call's copies, which may
         still run after its reply, or after the call failed (b"" without a GPU, or if not
         `wanted`). When the block ends, however it ends, the current stream waits on the
         event's latest record: the daemon's, or this one's, a wait for nothing, if it
-        recorded none."""
+        recorded none (unless `unless()` says the caller ordered the stream otherwise)."""
         if not wanted or self._device is None:
             yield b""
             return
@@ -410,7 +485,8 @@ class _Events:
             try:
                 yield handle
             finally:
-                torch.cuda.current_stream(self._device).wait_event(event)
+                if not unless():
+                    torch.cuda.current_stream(self._device).wait_event(event)
 
     @contextmanager
     def _taken(self) -> Iterator[tuple[torch.cuda.Event, bytes]]:

@@ -79,7 +79,8 @@ class Opened:
     registration that opened it closes it, whatever the driver makes of repeated opens."""
 
     def __init__(self, handle: bytes, device: int) -> None:
-        self._key = (bytes(handle), device)
+        self.handle = bytes(handle)
+        self._key = (self.handle, device)
         with _OPEN_LOCK:
             entry = _OPEN.get(self._key)
             if entry is None:

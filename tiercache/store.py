@@ -32,7 +32,8 @@ from tiercache.admission import admit, entry_values
 from tiercache.background import Background, Mover, Runner
 from tiercache.books import Books, Claim
 from tiercache.buffers import WorkerBuffers, row_ids
-from tiercache.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
+from tiercache.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted,
+                             Unavailable)
 from tiercache.hashing import Keys, distinct_keys
 from tiercache.load import Group
 from tiercache.metrics import Traffic
@@ -387,6 +388,9 @@ class _Flight:
             if job.alive is not None and not self.replied and not job.alive():
                 raise DeadlineExceeded("the call ended while its rows were being copied: "
                                        "the rest of the store was dropped")
+            if getattr(job.ready, "forced", False):  # tiercache/signals.py
+                raise Unavailable("the worker went before it had written the store's rows: "
+                                  "the daemon's copies were released, and the store dropped")
             with trace.span("publish"):
                 rows = part.claim.rows[part.published:part.published + len(batch.slots)]
                 self.books.publish_claimed(rows, batch.tier, batch.slots, self.stamp,

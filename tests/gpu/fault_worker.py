@@ -5,6 +5,7 @@
     python -m tests.gpu.fault_worker replied ADDRESS SEED     # an async load that replies before its copy
     python -m tests.gpu.fault_worker ahead ADDRESS SEED       # a load behind seconds of GPU work
     python -m tests.gpu.fault_worker lost ADDRESS SEED        # a load whose reply comes too late
+    python -m tests.gpu.fault_worker stuck ADDRESS SEED       # async calls queued, then killed
 
 `load`: stores one prompt, prints "stored", starts a load into other rows, prints
 "loading" and waits in it (the daemon holds loads in a failpoint) until the test kills
@@ -20,7 +21,10 @@ to end. `lost`: registers, prints "ready", and when told, a load (of the prompt 
 stored) whose copies the daemon queues behind those, and whose reply the daemon holds
 past this worker's deadline; told the load failed, the worker writes the rows itself at
 once on its stream, and prints "own rows" if they hold its writes once the daemon's
-copies are done (its stream waited for them), else "bad ...".
+copies are done (its stream waited for them), else "bad ...". `stuck`: stores one prompt,
+queues 30 s of GPU work, then an asynchronous load of that prompt and an asynchronous
+store of another, both replied with their copies waiting behind that work; prints
+"queued" and waits for the test to kill it.
 """
 
 from __future__ import annotations
@@ -127,7 +131,16 @@ def lost(address: str, seed: int) -> None:
           flush=True)
 
 
+def stuck(address: str, seed: int) -> None:
+    worker, _, _ = stored(address, seed)
+    sleep_gpu(30)
+    worker.load(prompt(0), kv_rows=ROWS, slot=1)
+    worker.store(prompt(1), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
+    print("queued", flush=True)
+    sys.stdin.readline()
+
+
 if __name__ == "__main__":
     mode, address, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     {"load": load, "recompute": recompute, "replied": replied, "ahead": ahead,
-     "lost": lost}[mode](address, seed)
+     "lost": lost, "stuck": stuck}[mode](address, seed)

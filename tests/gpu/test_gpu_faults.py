@@ -80,17 +80,13 @@ def test_a_daemon_killed_while_a_worker_waits_on_a_load_makes_the_worker_recompu
         assert waiting.returncode == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a known limit (README, Failures): the worker's stream waits forever on an interprocess "
-    "event whose recorder died with the record still queued; a probe that recorded it "
-    "again in the worker never got past that (H100, 2026-11-27)"))
 def test_a_daemon_killed_after_an_async_load_replied_does_not_hang_the_worker(tmp_path):
-    # The load replied with its event while the copy still waited behind the worker's own
-    # kernel; then the daemon died. The worker's stream must not hang; it does. Until
-    # 2026-11-27 this passed only because the daemon's first launch of a load's kernel
-    # waited for the worker's kernel, so the load replied after its copy. Whether the
-    # bytes arrived is printed, not asserted: after a daemon crash, a load that had
-    # already replied cannot be trusted (see README, "Failures").
+    # The load replied while its copy still waited behind the worker's own kernel; then
+    # the daemon died, its copy never to run. The worker's stream waited on the daemon's
+    # write of a done word; the client sees the daemon's process gone and writes it
+    # itself. (With an interprocess event in its place the stream waited forever: H100,
+    # 2026-11-27.) Whether the bytes arrived is printed, not asserted: after a daemon
+    # crash, a load that had already replied cannot be trusted (README, "Failures").
     with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, daemon):
         waiting = worker("replied", address, "4")
         wait_for(waiting, "replied")
@@ -99,6 +95,31 @@ def test_a_daemon_killed_after_an_async_load_replied_does_not_hang_the_worker(tm
         out, _ = waiting.communicate("go\n", timeout=180)
         print(out)
         assert "stream done" in out, out
+
+
+def test_a_worker_killed_with_its_copies_queued_does_not_hang_the_daemon(tmp_path):
+    # A worker's asynchronous load and store replied with their copies waiting behind 30 s
+    # of its GPU work; then it was killed, that work (and its ready signals) never to run.
+    # The daemon's copy streams, shared by every worker, waited on those signals: before
+    # 2026-11-27 the daemon hung (Stats timed out, SIGTERM did not stop it). Now it
+    # releases them when the registration ends, drops the store it could not trust, and
+    # serves the next worker's GPU calls at once.
+    with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, daemon):
+        stuck = worker("stuck", address, "7")
+        wait_for(stuck, "queued")
+        stuck.send_signal(signal.SIGKILL)
+        stuck.wait()
+        client = Client(address, timeout=5)
+        assert until(lambda: client.stats().workers == 0, 20)
+        assert client.stats().counters["ipc_allocations"] == 0
+        started = time.time()
+        again = subprocess.run([sys.executable, "-m", "tests.gpu.gpu_worker", "roundtrip", address,
+                                "8", "65536", "4", "1"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=120)
+        assert again.stdout.strip().splitlines()[-1].startswith("ok"), again.stdout + again.stderr
+        assert time.time() - started < 25  # not after the dead worker's 30 s of GPU work
+        assert client.stats().counters["unpublished_stores"] == 1  # its store, dropped
+        assert daemon.poll() is None
 
 
 def test_a_load_whose_reply_came_too_late_keeps_the_workers_writes_after_its_copies(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ LAYERS = [
      "tiers.remote.incidents", "tiers.remote.store", "tiers.remote.redis_cluster",
      "tiers.remote.adapters"},
     {"index", "policy", "admission", "tuning", "transfer", "tiers.host", "tiers.device",
-     "tiers.recovery", "tiers.disk", "regions"},
+     "tiers.recovery", "tiers.disk", "regions", "signals"},
     {"joint"},
     {"room"},
     {"books"},

@@ -100,34 +100,50 @@ class Group(_message.Message):
     def __init__(self, id: _Optional[str] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("model_id", "layout", "buffers", "extra_keys", "hash", "group")
+    __slots__ = ("model_id", "layout", "buffers", "extra_keys", "hash", "group", "signals")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    SIGNALS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     layout: Layout
     buffers: _containers.RepeatedCompositeFieldContainer[BufferLocation]
     extra_keys: _containers.RepeatedScalarFieldContainer[str]
     hash: str
     group: Group
-    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferLocation, _Mapping]]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., hash: _Optional[str] = ..., group: _Optional[_Union[Group, _Mapping]] = ...) -> None: ...
+    signals: BufferLocation
+    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferLocation, _Mapping]]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., hash: _Optional[str] = ..., group: _Optional[_Union[Group, _Mapping]] = ..., signals: _Optional[_Union[BufferLocation, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "namespace_root", "layout_fingerprint", "hash", "reads_packed_rows")
+    __slots__ = ("worker_id", "namespace_root", "layout_fingerprint", "hash", "reads_packed_rows", "reads_signals", "pid", "started")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ROOT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
     READS_PACKED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    READS_SIGNALS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     namespace_root: bytes
     layout_fingerprint: str
     hash: str
     reads_packed_rows: bool
-    def __init__(self, worker_id: _Optional[str] = ..., namespace_root: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., hash: _Optional[str] = ..., reads_packed_rows: _Optional[bool] = ...) -> None: ...
+    reads_signals: bool
+    pid: int
+    started: int
+    def __init__(self, worker_id: _Optional[str] = ..., namespace_root: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., hash: _Optional[str] = ..., reads_packed_rows: _Optional[bool] = ..., reads_signals: _Optional[bool] = ..., pid: _Optional[int] = ..., started: _Optional[int] = ...) -> None: ...
+
+class Signal(_message.Message):
+    __slots__ = ("slot", "value")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    value: int
+    def __init__(self, slot: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
 
 class UnregisterRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -178,7 +194,7 @@ class MatchResponse(_message.Message):
     def __init__(self, match: _Optional[_Union[MatchResult, _Mapping]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "kv_rows", "slot", "ready_event", "asynchronous", "checks", "kv_rows_packed", "done_event")
+    __slots__ = ("worker_id", "keys", "kv_rows", "slot", "ready_event", "asynchronous", "checks", "kv_rows_packed", "done_event", "signal")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +204,7 @@ class LoadRequest(_message.Message):
     CHECKS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_PACKED_FIELD_NUMBER: _ClassVar[int]
     DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     kv_rows: _containers.RepeatedScalarFieldContainer[int]
@@ -197,7 +214,8 @@ class LoadRequest(_message.Message):
     checks: bytes
     kv_rows_packed: bytes
     done_event: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., asynchronous: _Optional[bool] = ..., checks: _Optional[bytes] = ..., kv_rows_packed: _Optional[bytes] = ..., done_event: _Optional[bytes] = ...) -> None: ...
+    signal: Signal
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., asynchronous: _Optional[bool] = ..., checks: _Optional[bytes] = ..., kv_rows_packed: _Optional[bytes] = ..., done_event: _Optional[bytes] = ..., signal: _Optional[_Union[Signal, _Mapping]] = ...) -> None: ...
 
 class TierBytes(_message.Message):
     __slots__ = ("tier", "bytes")
@@ -228,7 +246,7 @@ class Checkpoint(_message.Message):
     def __init__(self, pages: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event", "checks", "durable", "event_tokens", "first_page", "kv_rows_packed", "done_event")
+    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event", "checks", "durable", "event_tokens", "first_page", "kv_rows_packed", "done_event", "signal")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +258,7 @@ class StoreRequest(_message.Message):
     FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_PACKED_FIELD_NUMBER: _ClassVar[int]
     DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     kv_rows: _containers.RepeatedScalarFieldContainer[int]
@@ -251,7 +270,8 @@ class StoreRequest(_message.Message):
     first_page: int
     kv_rows_packed: bytes
     done_event: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., checks: _Optional[bytes] = ..., durable: _Optional[bool] = ..., event_tokens: _Optional[bytes] = ..., first_page: _Optional[int] = ..., kv_rows_packed: _Optional[bytes] = ..., done_event: _Optional[bytes] = ...) -> None: ...
+    signal: Signal
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., checks: _Optional[bytes] = ..., durable: _Optional[bool] = ..., event_tokens: _Optional[bytes] = ..., first_page: _Optional[int] = ..., kv_rows_packed: _Optional[bytes] = ..., done_event: _Optional[bytes] = ..., signal: _Optional[_Union[Signal, _Mapping]] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored", "present", "skipped", "checkpoints")

@@ -1,0 +1,116 @@
+"""The signal words that order a GPU worker's stream and the daemon's copies, in one
+process (both sides over the worker's words; tests/gpu/test_gpu_faults.py kills one of
+two real processes). Runs only where there is a GPU."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+class _Mapped:
+    """The worker's words as the daemon's side sees them (cuda_ipc.Opened's view; CUDA
+    IPC does not open a process's own allocation)."""
+
+    def __init__(self, words: torch.Tensor) -> None:
+        self.address, self.device = words.data_ptr(), words.device.index
+        self.size = words.numel() * words.element_size()
+
+    def view(self, offset: int, nbytes: int) -> None:
+        assert 0 <= offset and offset + nbytes <= self.size
+
+
+def _sides(slots: int = 4):
+    from tiercache.signals import DaemonSignals, WorkerSignals
+    worker = WorkerSignals(torch.device("cuda", torch.cuda.current_device()), slots)
+    return worker, DaemonSignals(_Mapped(worker.words), 0, worker.exported.nbytes)
+
+
+def _blocked(stream: torch.cuda.Stream, seconds: float = 0.3) -> bool:
+    time.sleep(seconds)
+    return not stream.query()
+
+
+def test_the_daemons_copies_wait_for_the_ready_word_and_a_released_one_passes():
+    worker, daemon = _sides()
+    copies = torch.cuda.Stream()
+    target = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    from tiercache.signals import wait_value, write_value
+    gate = torch.zeros(1, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    held = torch.cuda.Stream()  # the worker's work, which has not yet written the word
+    wait_value(held, gate.data_ptr(), 1)  # a word nobody writes until the end
+    with torch.cuda.stream(held), worker.call() as call:
+        wait = daemon.ready(call.slot, call.value)
+        copies.wait_event(wait)  # what Transfer.wait_for does
+        with torch.cuda.stream(copies):
+            target.fill_(1)
+    assert _blocked(copies) and not wait.passed()
+    assert daemon.release() == 1 and wait.forced  # the worker is gone
+    copies.synchronize()
+    assert bool((target == 1).all())
+    later = daemon.ready(call.slot, call.value + 1)  # a call still in flight at the release
+    copies.wait_event(later)
+    copies.synchronize()
+    assert later.forced
+    write_value(torch.cuda.Stream(), gate.data_ptr(), 1)
+    torch.cuda.synchronize()
+
+
+def test_a_written_ready_word_releases_the_copies_and_nothing_is_forced():
+    worker, daemon = _sides()
+    copies = torch.cuda.Stream()
+    with worker.call() as call:
+        copies.wait_event(wait := daemon.ready(call.slot, call.value))
+    copies.synchronize()
+    assert wait.passed() and daemon.release() == 0 and not wait.forced
+
+
+def test_the_workers_stream_waits_on_the_done_word_until_written_or_released():
+    worker, daemon = _sides()
+    copies, mine = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(mine):
+        with worker.call() as call:
+            copies.wait_event(daemon.ready(call.slot, call.value))
+            with torch.cuda.stream(copies):
+                torch.cuda._sleep(50_000_000)  # the daemon's copies
+            done = daemon.done(call.slot, call.value)
+            done.record(copies)
+            call.await_done()
+        seen = torch.zeros(1, device="cuda")
+        seen.fill_(1)  # behind the done word
+    mine.synchronize()
+    assert done.query() and bool(seen.item() == 1)
+    assert not worker.waiting()
+    with torch.cuda.stream(mine):
+        with worker.call() as call:  # the daemon died before it wrote the done word
+            call.await_done()
+    assert _blocked(mine) and worker.waiting()
+    assert worker.release() == 1
+    mine.synchronize()
+    assert worker.released == 1 and not worker.waiting()
+
+
+def test_a_slot_is_taken_again_only_once_its_last_call_is_done():
+    worker, _ = _sides(slots=2)
+    mine = torch.cuda.Stream()
+    with torch.cuda.stream(mine):
+        with worker.call() as first:
+            first.await_done()  # nothing writes it yet
+        with worker.call() as second:
+            pass
+    taken: list[tuple[int, int]] = []
+    thread = threading.Thread(target=lambda: taken.append(worker._take()), daemon=True)
+    thread.start()
+    thread.join(0.5)
+    assert not taken  # slot 0's stream still waits; slot 1 is free only behind it on `mine`
+    worker.release()
+    thread.join(10)
+    assert taken and taken[0][1] == second.value + 1
+    assert {first.slot, second.slot} == {0, 1}

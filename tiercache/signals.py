@@ -1,0 +1,305 @@
+"""The order of a GPU worker's stream and the daemon's copies, through 32-bit words in the
+worker's GPU memory that either process can write (RegisterRequest.signals).
+
+A GPU call takes a slot and a value. The worker's stream writes the value into the
+slot's ready word after its last use of the call's rows, and the daemon's copies wait
+until the word reaches it (cuStreamWaitValue32, a cyclic comparison). An asynchronous
+call's copies are followed by the daemon writing the value into the slot's done word,
+and, once the reply says they were queued, the worker's stream waits on that word.
+
+Interprocess CUDA events did all of this before. But an event whose recorder dies with
+its record still queued never completes, and recording it again elsewhere does not
+release a wait on it (H100, RESULTS.md): a worker killed with its GPU work queued hung
+the daemon's copy streams, and every worker's copies behind them; a daemon killed with
+copies queued hung the worker's stream. A word is written by whoever survives
+(`DaemonSignals.release`, `WorkerSignals.release`). The daemon's copies into a dead
+worker's memory still run (harmlessly: the daemon's mapping keeps it); a dead daemon's
+queued copies do not run at all.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from tiercache import cuda_ipc
+from tiercache.errors import InvalidArgument
+
+SLOTS = 1024  # a worker's calls in flight at once, at most (more wait for a slot)
+MAX_SLOTS = 1 << 16
+WORD = 4
+
+
+def _driver() -> Any:
+    from cuda.bindings import driver  # GPU machines only, as cuda_ipc
+    return driver
+
+
+def _checked(result: tuple, what: str) -> None:
+    if int(result[0]) != 0:
+        raise RuntimeError(f"{what} failed: {result[0]!r}")
+
+
+def wait_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Queue on `stream` a wait until the word at `address` reaches `value` (cyclic)."""
+    d = _driver()
+    _checked(d.cuStreamWaitValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(address),
+                                   d.cuuint32_t(value), d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+             "cuStreamWaitValue32")
+
+
+def write_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Queue on `stream` a write of `value` into the word at `address`."""
+    d = _driver()
+    _checked(d.cuStreamWriteValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(address),
+                                    d.cuuint32_t(value),
+                                    d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+             "cuStreamWriteValue32")
+
+
+def _release(device: torch.device, words: dict[int, int]) -> None:
+    """Write each word (address -> value) now, on a stream of its own: the streams that
+    wait on them may be stuck, this one is not."""
+    if not words:
+        return
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        for address, value in words.items():
+            write_value(side, address, value)
+        side.synchronize()
+
+
+# -- the worker's side ----------------------------------------------------------------------
+class WorkerSignals:
+    """A worker's words, in an allocation of their own (they are handed to the daemon by
+    CUDA IPC), and its calls in flight."""
+
+    def __init__(self, device: torch.device, slots: int = SLOTS) -> None:
+        from cuda.bindings import runtime
+        self.device, self.slots = device, slots
+        with torch.cuda.device(device):
+            status, address = runtime.cudaMalloc(2 * slots * WORD)
+            if int(status) != 0:
+                raise RuntimeError(f"cudaMalloc of the worker's signal words failed: {status!r}")
+        self._address = int(address)
+        self.words = torch.as_tensor(cuda_ipc._DeviceArray(self._address, 2 * slots * WORD),
+                                     device=device).view(torch.int32)
+        self.words.zero_()
+        torch.cuda.synchronize(device)
+        self.exported = cuda_ipc.export(self.words)
+        self._lock = threading.Lock()
+        self._value = 0
+        self._next = 0
+        self._ends: list[torch.cuda.Event | None] = [None] * slots  # each slot's last call, done
+        self._awaited: dict[int, int] = {}  # slot -> value its done word is waited for at
+        self._side = torch.cuda.Stream(device)  # for what must not queue behind the worker's work
+        self.released = 0  # done waits this worker released itself (the daemon died)
+
+    def ready_word(self, slot: int) -> int:
+        return self._address + slot * WORD
+
+    def done_word(self, slot: int) -> int:
+        return self._address + (self.slots + slot) * WORD
+
+    @contextmanager
+    def call(self, given: torch.cuda.Event | None = None) -> Iterator["Call"]:
+        """A slot and value for one call, its ready word written on the current stream now
+        (after all work queued on it so far), or after the caller's `given` event on a
+        stream of this worker's. The slot is taken again once every stream the call
+        used has passed the point where the block ended."""
+        stream = torch.cuda.current_stream(self.device)
+        slot, value = self._take()
+        writer = stream
+        if given is not None:
+            writer = self._side
+            writer.wait_event(given)
+        write_value(writer, self.ready_word(slot), value)
+        call = Call(self, slot, value, stream)
+        try:
+            yield call
+        finally:
+            self._ends[slot] = [stream.record_event(), *([writer.record_event()] if writer is not stream else [])]
+
+    def _take(self) -> tuple[int, int]:
+        """A free slot (one whose last call's words were all written and waited on: a
+        value written later could otherwise land before an earlier one) and the next value."""
+        while True:
+            with self._lock:
+                for _ in range(self.slots):
+                    slot, self._next = self._next, (self._next + 1) % self.slots
+                    ends = self._ends[slot]
+                    if ends is None or all(end.query() for end in ends):
+                        self._ends[slot] = None
+                        self._value = self._value % 0xFFFFFFFF + 1  # never 0: 0 names no call
+                        return slot, self._value
+                oldest = self._ends[self._next]
+            for end in oldest or ():  # every slot in flight: wait for the next one's streams
+                end.synchronize()
+
+    def awaited(self, slot: int, value: int, stream: torch.cuda.Stream) -> None:
+        with self._lock:
+            self._awaited[slot] = value
+        wait_value(stream, self.done_word(slot), value)
+
+    def _missing(self) -> dict[int, int]:
+        """Done words (address -> value) that the worker's streams wait on and the daemon
+        has not written yet (read on a stream of this worker's, not the waiting ones)."""
+        with self._lock:
+            awaited = dict(self._awaited)
+        if not awaited:
+            return {}
+        with torch.cuda.stream(self._side):
+            done = self.words[self.slots:].to("cpu")
+        missing = {}
+        for slot, value in awaited.items():
+            if (int(done[slot]) - value) & 0xFFFFFFFF >= 0x80000000:  # cyclic: below value
+                missing[self.done_word(slot)] = value
+            else:
+                with self._lock:
+                    if self._awaited.get(slot) == value:
+                        del self._awaited[slot]
+        return missing
+
+    def waiting(self) -> bool:
+        """Whether a stream of this worker's still waits on a done word the daemon has
+        not written."""
+        return bool(self._missing())
+
+    def release(self) -> int:
+        """Write the done words this worker's streams still wait on: the daemon died with
+        their copies queued, and those will never run (the rows hold what they held).
+        Returns how many."""
+        missing = self._missing()
+        _release(self.device, missing)
+        with self._lock:
+            self._awaited.clear()
+            self.released += len(missing)
+        return len(missing)
+
+    def close(self) -> None:
+        from cuda.bindings import runtime
+        with torch.cuda.device(self.device):
+            self._side.synchronize()
+            runtime.cudaFree(self._address)  # waits for the work using it
+
+
+class Call:
+    """One call's place in the words (its slot and value)."""
+
+    def __init__(self, signals: WorkerSignals, slot: int, value: int, stream: torch.cuda.Stream) -> None:
+        self._signals, self.slot, self.value, self._stream = signals, slot, value, stream
+
+    def await_done(self) -> None:
+        """Queue the worker's stream behind the daemon's write of the done word (the
+        daemon replied that the copies are queued)."""
+        self._signals.awaited(self.slot, self.value, self._stream)
+
+
+def process_started(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (the same in every PID
+    namespace), or None if this process cannot see it."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+# -- the daemon's side ----------------------------------------------------------------------
+class DaemonSignals:
+    """A worker's words as the daemon opened them, and the waits it queued on them."""
+
+    def __init__(self, opened: cuda_ipc.Opened, offset: int, nbytes: int) -> None:
+        if nbytes % (2 * WORD) or not 0 < nbytes // (2 * WORD) <= MAX_SLOTS:
+            raise InvalidArgument(f"signals are 8 bytes per slot, 1 to {MAX_SLOTS} slots: got "
+                                  f"{nbytes} bytes")
+        opened.view(offset, nbytes)  # raises if it runs past the allocation
+        self.slots = nbytes // (2 * WORD)
+        self.device = torch.device("cuda", opened.device)
+        self._base = opened.address + offset
+        self.lock = threading.Lock()
+        self._waits: list[ReadyWait] = []
+        self.released = False
+
+    def ready(self, slot: int, value: int) -> "ReadyWait":
+        self._check(slot, value)
+        wait = ReadyWait(self, self._base + slot * WORD, value)
+        with self.lock:
+            if len(self._waits) >= 64:  # those that passed say nothing any more
+                self._waits = [w for w in self._waits if not w.passed()]
+            self._waits.append(wait)
+        return wait
+
+    def done(self, slot: int, value: int, event: torch.cuda.Event | None = None) -> "DoneMark":
+        self._check(slot, value)
+        return DoneMark(self._base + (self.slots + slot) * WORD, value, event)
+
+    def _check(self, slot: int, value: int) -> None:
+        if not 0 <= slot < self.slots or value == 0:
+            raise InvalidArgument(f"signal slot {slot} (value {value}) is not one of the "
+                                  f"{self.slots} slots this worker registered, or names no call")
+
+    def release(self) -> int:
+        """The worker is gone: write every ready word the daemon's copies may still wait
+        on (its own stream may never write them), and make later waits pass at once.
+        Returns how many were released; their stores are not published."""
+        with self.lock:
+            self.released = True
+            stuck = [w for w in self._waits if not w.passed()]
+            self._waits = []
+        words: dict[int, int] = {}
+        for wait in stuck:
+            wait.forced = True
+            words[wait.address] = wait.value  # each word's latest wait: values only grow
+        _release(self.device, words)
+        return len(stuck)
+
+
+class ReadyWait:
+    """The daemon's copies of one call wait, on each stream they use, until the worker
+    wrote its ready word (what a torch.cuda.Event's `wait` does for an event)."""
+
+    def __init__(self, signals: DaemonSignals, address: int, value: int) -> None:
+        self._signals, self.address, self.value = signals, address, value
+        self._passed: list[torch.cuda.Event] = []
+        self.forced = False  # released by the daemon, not written by the worker
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        stream = stream or torch.cuda.current_stream(self._signals.device)
+        with self._signals.lock:  # release sees this wait, or this wait sees the release
+            if self._signals.released:  # the worker is gone: nothing will write the word
+                self.forced = True
+                return
+            wait_value(stream, self.address, self.value)
+            passed = torch.cuda.Event()
+            passed.record(stream)
+            self._passed.append(passed)
+
+    def passed(self) -> bool:
+        return all(event.query() for event in self._passed)
+
+
+class DoneMark:
+    """The end of one asynchronous call's copies: the done word written (and the worker's
+    interprocess event recorded, if it gave one), on the stream that copies last (what a
+    torch.cuda.Event's `record` does); `query` and `synchronize` ask an event of ours."""
+
+    def __init__(self, address: int, value: int, event: torch.cuda.Event | None) -> None:
+        self.address, self.value, self._event = address, value, event
+        self._own = torch.cuda.Event()
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> None:
+        stream = stream or torch.cuda.current_stream()
+        write_value(stream, self.address, self.value)  # first: a wait on the event covers it
+        if self._event is not None:
+            self._event.record(stream)
+        self._own.record(stream)
+
+    def query(self) -> bool:
+        return self._own.query()
+
+    def synchronize(self) -> None:
+        self._own.synchronize()
