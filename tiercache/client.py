@@ -233,9 +233,8 @@ class _Remote:
         self._signals = signals  # where the daemon reads them (tiercache/signals.py)
         self._daemon = daemon  # (pid, start) where this process can see the daemon's process
         self._closing = False
-        if signals is not None:
-            stream.add_done_callback(lambda _: threading.Thread(
-                target=self._watch, name="tiercache-release", daemon=True).start())
+        if signals is not None:  # a thread of its own, no callback from grpc's threads
+            threading.Thread(target=self._watch, name="tiercache-release", daemon=True).start()
 
     def match(self, prompt: Request, prefetch: bool) -> Match:
         request = pb.MatchRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
@@ -303,6 +302,8 @@ class _Remote:
         """The registration stream ended: once the daemon's process is gone, write the
         done words this worker's streams still wait on (its queued copies will never run).
         A daemon this process cannot see is never known to be gone (README, Failures)."""
+        while not self._stream.done():
+            time.sleep(0.1)
         signals, daemon = self._signals, self._daemon
         if self._closing or signals is None or daemon is None:
             return

@@ -31,6 +31,19 @@ def _sides(slots: int = 4):
     return worker, DaemonSignals(_Mapped(worker.words), 0, worker.exported.nbytes)
 
 
+@pytest.fixture(autouse=True)
+def _loaded():
+    """Load every kernel these tests launch before any stream is held: CUDA loads a
+    module at its first launch and waits for the device to be idle to do so."""
+    for dtype in (torch.float32, torch.int32):
+        t = torch.zeros(4, dtype=dtype, device="cuda")
+        t.fill_(1)
+        bool((t == 1).all().item())
+        t.to("cpu")
+    torch.cuda._sleep(1)
+    torch.cuda.synchronize()
+
+
 def _blocked(stream: torch.cuda.Stream, seconds: float = 0.3) -> bool:
     time.sleep(seconds)
     return not stream.query()
