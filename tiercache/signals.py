@@ -60,13 +60,33 @@ def write_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
              "cuStreamWriteValue32")
 
 
+_OWN: dict[int, torch.cuda.ExternalStream] = {}
+_OWN_LOCK = threading.Lock()
+
+
+def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
+    """A CUDA stream of this module's, made once per device, that nothing else uses:
+    torch.cuda.Stream() hands out streams from a pool of 32, round robin, so one may be
+    a stream stuck on a word (it deadlocked a daemon's release on an H100)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _OWN_LOCK:
+        if index not in _OWN:
+            from cuda.bindings import runtime
+            with torch.cuda.device(index):
+                status, handle = runtime.cudaStreamCreateWithFlags(runtime.cudaStreamNonBlocking)
+                if int(status) != 0:
+                    raise RuntimeError(f"cudaStreamCreateWithFlags failed: {status!r}")
+                _OWN[index] = torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", index))
+        return _OWN[index]
+
+
 def _release(device: torch.device, words: dict[int, int]) -> None:
-    """Write each word (address -> value) now, on a stream of its own: the streams that
+    """Write each word (address -> value) now, on a stream of our own: the streams that
     wait on them may be stuck, this one is not."""
     if not words:
         return
-    with torch.cuda.device(device):
-        side = torch.cuda.Stream(device)
+    side = own_stream(device)
+    with _OWN_LOCK:  # one release at a time on the one stream
         for address, value in words.items():
             write_value(side, address, value)
         side.synchronize()
@@ -95,7 +115,8 @@ class WorkerSignals:
         self._next = 0
         self._ends: list[torch.cuda.Event | None] = [None] * slots  # each slot's last call, done
         self._awaited: dict[int, int] = {}  # slot -> value its done word is waited for at
-        self._side = torch.cuda.Stream(device)  # for what must not queue behind the worker's work
+        self._side = own_stream(device)  # for what must not queue behind the worker's work
+        self._writer = torch.cuda.Stream(device)  # ready words behind a caller's own event
         self.released = 0  # done waits this worker released itself (the daemon died)
 
     def ready_word(self, slot: int) -> int:
@@ -114,7 +135,7 @@ class WorkerSignals:
         slot, value = self._take()
         writer = stream
         if given is not None:
-            writer = self._side
+            writer = self._writer
             writer.wait_event(given)
         write_value(writer, self.ready_word(slot), value)
         call = Call(self, slot, value, stream)
