@@ -18,9 +18,9 @@ GPU workers pass their own CUDA tensors to `register(..., buffers=...)`; the dae
 them by CUDA IPC. CPU workers may do the same with views into a `shared_region` of theirs.
 The ranks of a tensor-parallel group register with `group=GroupMember(...)` and match as
 one (tiercache.group). Their copies are ordered with the worker's current CUDA stream in both
-directions, without host synchronisation: the daemon starts after an event recorded on
-that stream, and a load returns at once with the stream already waiting on the event
-that marks the bytes in place; so does a store through a daemon, with the stream waiting
+directions, without host synchronisation: the daemon starts after a mark queued on
+that stream (tiercache.signals), and a load returns at once with the stream already
+waiting on the mark of the bytes in place; so does a store through a daemon, with the stream waiting
 until the rows are copied out (pass `synchronous=True` to either to wait on the host
 instead). A call made after a store returns sees its entries either way.
 """
@@ -171,7 +171,8 @@ class Worker:
     def connected(self) -> bool:
         """Whether the registration still stands. A daemon that went away cannot finish
         the copies of calls that already replied: if this turns False while some were
-        still queued, the current stream waits on them forever (README, Failures)."""
+        still queued, the client releases the stream's waits on them once the daemon's
+        process is gone, and those loads' rows hold what they held (README, Failures)."""
         return self._backend.connected()
 
     def close(self) -> None:
