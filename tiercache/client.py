@@ -233,9 +233,10 @@ class _Remote:
         self._done = OpenedEvents()  # the daemon's, for its asynchronous loads
         self._signals = signals  # where the daemon reads them (tiercache/signals.py)
         self._daemon = daemon  # (pid, start) where this process can see the daemon's process
-        self._closing = False
-        if signals is not None:  # a thread of its own, no callback from grpc's threads
-            threading.Thread(target=self._watch, name="tiercache-release", daemon=True).start()
+        # a thread of its own, no callback from grpc's threads (workers crashed at exit so)
+        self._watcher = threading.Thread(target=self._watch, name="tiercache-release", daemon=True)
+        if signals is not None:
+            self._watcher.start()
 
     def match(self, prompt: Request, prefetch: bool) -> Match:
         request = pb.MatchRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
@@ -306,7 +307,7 @@ class _Remote:
         while not self._stream.done():
             time.sleep(0.1)
         signals, daemon = self._signals, self._daemon
-        if self._closing or signals is None or daemon is None:
+        if signals is None or daemon is None:
             return
         pid, started = daemon
         while process_started(pid) == started:
@@ -327,12 +328,13 @@ class _Remote:
         return not self._stream.done()  # the registration stream ends with the daemon
 
     def close(self) -> None:
-        self._closing = True
         if self._signals is not None and not self._stream.done():
             # the daemon releases the waits of a registration that ends: let this worker's
             # own work before them finish first (or its copies could run before it)
             torch.cuda.current_stream(self._device).synchronize()
         self._stream.cancel()  # ends the registration: the daemon unmaps the buffers
+        if self._watcher.is_alive():  # its words released first, if the daemon died:
+            self._watcher.join()  # freeing them waits for every stream that waits on them
         for owned in (self._shared, self._signals):
             if owned is not None:
                 owned.close()
