@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, Sequence
 
@@ -173,6 +174,7 @@ class Done:
 # 512 MiB load or store by the launch, 0.95-1.03x beside a staged one (gpu_transfer
 # --profile). Halves of 32 MiB gave 0.94-0.96; of 16 MiB, 0.92-0.97 at four times the
 # CPU time (a scratch probe).
+SLOW_SYNC = 10.0  # seconds a wait for a GPU's copies may take before the log says which
 STAGE_BYTES = 64 << 20  # each half of a direction's ring (GPU memory, taken at first use)
 MIN_RUN_BYTES = 1 << 20  # staged only where the slots' runs are this long on average
 MAX_STAGED_ENTRY = STAGE_BYTES // 4  # longer entries keep their rows' own path
@@ -487,7 +489,18 @@ class CudaTransfer:
         return event
 
     def synchronize(self) -> None:
+        """Wait for every copy queued on this GPU; say which streams still copy after
+        SLOW_SYNC seconds (they wait for a worker's GPU work, or hang: README, Failures)."""
+        started, said = time.monotonic(), False
         for stream in self._streams.values():
+            while not said and not stream.query():
+                time.sleep(0.001)
+                if time.monotonic() - started >= SLOW_SYNC:
+                    said = True
+                    log.warning("the copy streams %s on %s still run after %.0f s: they wait "
+                                "for a worker's GPU work, or hang (README, Failures)",
+                                [n for n, s in self._streams.items() if not s.query()],
+                                self.device, SLOW_SYNC)
             stream.synchronize()
 
     def close(self) -> None:
