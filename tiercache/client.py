@@ -383,7 +383,7 @@ class Client:
         else:
             tensors, locations = dict(buffers), _cuda_locations(buffers)
             device = next(iter(tensors.values())).device
-        signals = WorkerSignals(device) if device is not None else None
+        signals = _signals(device)
         request = pb.RegisterRequest(model_id=model_id, layout=layout_to_proto(layout),
                                      extra_keys=extra_keys, hash=hash_name, buffers=locations,
                                      group=group.to_proto() if group is not None else None,
@@ -440,6 +440,20 @@ def _cuda_locations(buffers: Mapping[str, torch.Tensor]) -> list[pb.BufferLocati
                               "(shared memory the daemon can map)")
     from tiercache import cuda_ipc  # needs cuda-bindings: GPU machines only
     return [_cuda_location(name, cuda_ipc.export(tensor)) for name, tensor in buffers.items()]
+
+
+def _signals(device: torch.device | None) -> WorkerSignals | None:
+    """A GPU worker's signal words, or None (interprocess events then, as with an older
+    daemon) where the driver has no stream memory operations."""
+    if device is None:
+        return None
+    try:
+        return WorkerSignals(device)
+    except RuntimeError as error:
+        log.warning("this GPU's driver cannot wait on memory (%s): copies are ordered by "
+                    "interprocess events, which a crashed daemon never completes "
+                    "(README, Failures)", error)
+        return None
 
 
 def _signals_location(signals: WorkerSignals | None) -> pb.BufferLocation | None:

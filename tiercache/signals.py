@@ -117,6 +117,13 @@ class WorkerSignals:
         self._awaited: dict[int, int] = {}  # slot -> value its done word is waited for at
         self._side = own_stream(device)  # for what must not queue behind the worker's work
         self._writer = torch.cuda.Stream(device)  # ready words behind a caller's own event
+        try:  # raises where the driver has no stream memory operations
+            write_value(self._side, self.done_word(0), 0)
+            wait_value(self._side, self.done_word(0), 0)
+            self._side.synchronize()
+        except RuntimeError:
+            self.close()
+            raise
         self.released = 0  # done waits this worker released itself (the daemon died)
 
     def ready_word(self, slot: int) -> int:
