@@ -57,6 +57,12 @@ CASES = {
     "store, a done event from a CPU worker": (CODE.INVALID_ARGUMENT, lambda s, w: s.Store(
         pb.StoreRequest(worker_id=w._backend._id, keys=keys_of(w, list(range(96))),
                         kv_rows=range(6), done_event=b"\1" * 64))),
+    "load, a signal from a worker that registered none": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
+        pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w), kv_rows=[1, 2], slot=1,
+                       signal=pb.Signal(slot=0, value=1)))),
+    "store, a signal from a worker that registered none": (CODE.INVALID_ARGUMENT, lambda s, w: s.Store(
+        pb.StoreRequest(worker_id=w._backend._id, keys=keys_of(w, list(range(96))),
+                        kv_rows=range(6), signal=pb.Signal(slot=3, value=7)))),
     "load, slot out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
         pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w), kv_rows=[1, 2], slot=16))),
     "store, row out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Store(
