@@ -30,8 +30,9 @@ import time
 
 import torch
 
+from tests.gpu.gpu_worker import sleep_gpu
 from tiercache import cuda_ipc
-from tiercache.signals import wait_value, write_value
+from tiercache.signals import own_stream, wait_value, write_value
 
 GPU_SECONDS = 12.0
 WORDS = 1 << 19
@@ -45,17 +46,6 @@ def _watchdog(seconds: float, stage: list[str]) -> None:
     threading.Thread(target=fire, daemon=True).start()
 
 
-def _sleep_gpu(seconds: float) -> None:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(100_000_000)
-    end.record()
-    end.synchronize()
-    per_second = 100_000_000 / (start.elapsed_time(end) / 1e3)
-    for _ in range(int(seconds * per_second) // 100_000_000 + 1):
-        torch.cuda._sleep(100_000_000)
-
-
 def _poll(stream: torch.cuda.Stream, seconds: float) -> float | None:
     started = time.time()
     while time.time() - started < seconds:
@@ -63,6 +53,19 @@ def _poll(stream: torch.cuda.Stream, seconds: float) -> float | None:
             return time.time() - started
         time.sleep(0.05)
     return None
+
+
+def _wait_or_release(stream: torch.cuda.Stream, release_after: float, who: str,
+                     release) -> float | None:
+    """Seconds until `stream` was done, polled for `release_after` s; if it was not, after
+    `release(side)` on a stream of tiercache.signals' own, polled for 10 s more."""
+    waited = _poll(stream, release_after)
+    print(f"{who}: stream done after {waited}", flush=True)
+    if waited is None:
+        release(own_stream(torch.device("cuda", torch.cuda.current_device())))
+        waited = _poll(stream, 10)
+        print(f"{who}: stream done {waited} s after the release", flush=True)
+    return waited
 
 
 def _warm(words: torch.Tensor) -> None:
@@ -97,14 +100,14 @@ def worker(signal_kind: str, dies: str, words_kind: str, release_after: float) -
     main = torch.cuda.current_stream()
     ready.record(main)
     done.record(main)  # recorded once, so that D may record it again
-    _sleep_gpu(0.01)
+    sleep_gpu(0.01)
     _warm(words)
     data[:16].clone()
     torch.cuda.synchronize()
     print("H", w.handle.hex(), w.offset, d.handle.hex(), d.offset, ready.ipc_handle().hex(),
           done.ipc_handle().hex(), flush=True)
     sys.stdin.readline()  # D opened them
-    _sleep_gpu(GPU_SECONDS)
+    sleep_gpu(GPU_SECONDS)
     if dies == "worker" and signal_kind == "word":
         write_value(main, words.data_ptr() + 4, 1)
     else:
@@ -122,17 +125,8 @@ def worker(signal_kind: str, dies: str, words_kind: str, release_after: float) -
     print("W waiting", flush=True)
     stage.append("waiting")
     sys.stdin.readline()  # the parent killed D, or not
-    waited = _poll(main, release_after)
-    print(f"W stream done after {waited}", flush=True)
-    if waited is None:
-        stage.append("release")
-        side = torch.cuda.Stream()
-        if signal_kind == "word":
-            write_value(side, words.data_ptr(), 1)
-        else:
-            done.record(side)
-        waited = _poll(main, 10)
-        print(f"W stream done {waited} s after its release", flush=True)
+    waited = _wait_or_release(main, release_after, "W", lambda side: write_value(
+        side, words.data_ptr(), 1) if signal_kind == "word" else done.record(side))
     if waited is not None:
         print(f"W saw {seen[:4].tolist()}; its GPU works: {torch.ones(8, device='cuda').sum().item()}",
               flush=True)
@@ -172,16 +166,8 @@ def daemon(signal_kind: str, dies: str, release_after: float, words_handle: str,
     if dies != "worker":
         time.sleep(1000)
     sys.stdin.readline()  # W was killed
-    waited = _poll(copies, release_after)
-    print(f"D stream done after {waited} (W dead)", flush=True)
-    if waited is None:
-        side = torch.cuda.Stream()
-        if signal_kind == "word":
-            write_value(side, words + 4, 1)
-        else:
-            ready.record(side)
-        waited = _poll(copies, 10)
-        print(f"D stream done {waited} s after its release", flush=True)
+    waited = _wait_or_release(copies, release_after, "D (W dead)", lambda side: write_value(
+        side, words + 4, 1) if signal_kind == "word" else ready.record(side))
     if waited is not None:
         print(f"D wrote {data[:4].tolist()}; its GPU works: {torch.ones(8, device='cuda').sum().item()}",
               flush=True)
