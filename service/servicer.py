@@ -212,8 +212,9 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                 slot = request.slot if request.HasField("slot") else None
                 # copies into CPU workers are synchronous anyway
                 asynchronous = request.asynchronous and worker.buffers.device.type == "cuda"
-                # the worker's own done event (it waits on it whatever the reply), else one
-                # of ours for an asynchronous load, handed back in the reply
+                # the worker's own done event (it waits on it whatever the reply), with its
+                # done word where it signals (tiercache/signals.py); else, for an
+                # asynchronous load, one of ours, handed back in the reply
                 given = _event(request.done_event, worker, "done_event")
                 signalled = _signalled(request, worker)
                 ready = _ready(request, worker, signalled)
