@@ -144,7 +144,7 @@ def build_world(folder: Path) -> World:
                               tickets=handover)
     servicer = TiercacheServicer(engine, registry, MAX_PAGES, Authenticator(tenants))
     world = World(servicer, engine, handover, {})
-    for method in ("Match", "Load", "Store", "Evict", "Stats", "Unregister"):
+    for method in ("Match", "Load", "Store", "Evict", "Stats", "Unregister", "Settle"):
         world.handlers[method] = guarded(servicer, method, False)
     world.handlers["Register"] = guarded(servicer, "Register", True)
     for tenant, name in NAMESPACES:
@@ -349,15 +349,18 @@ def requests_for(world: World, worker: Worker):
     kcr = kc.flatmap(lambda k: st.tuples(st.just(k), rows_for(k[0]), checkpoints_for(k[0])))
     slot = mostly(st.integers(0, slot_rows - 1), st.one_of(st.none(), u32()))
     event = mostly(st.just(b""), st.binary(max_size=80), 0.95)
+    signal = mostly(st.none(), st.builds(pb.Signal, slot=u32(), value=u32()), 0.9)
     return st.one_of(
         st.builds(lambda w, k, p: ("Match", pb.MatchRequest(worker_id=w, keys=k[0], checks=k[1],
                                                             prefetch=p)), wid, kc, st.booleans()),
-        st.builds(lambda w, kr, s, e, a: ("Load", pb.LoadRequest(
+        st.builds(lambda w, kr, s, e, a, g: ("Load", pb.LoadRequest(
             worker_id=w, keys=kr[0][0], checks=kr[0][1], kv_rows=kr[1], slot=s, ready_event=e,
-            asynchronous=a)), wid, kcr, slot, event, st.booleans()),
-        st.builds(lambda w, kr, d, e: ("Store", pb.StoreRequest(
+            asynchronous=a, signal=g)), wid, kcr, slot, event, st.booleans(), signal),
+        st.builds(lambda w, kr, d, e, a, g: ("Store", pb.StoreRequest(
             worker_id=w, keys=kr[0][0], checks=kr[0][1], kv_rows=kr[1], checkpoints=kr[2],
-            durable=d, ready_event=e)), wid, kcr, mostly(st.just(False), st.just(True), 0.9), event),
+            durable=d, ready_event=e, asynchronous=a, signal=g)), wid, kcr,
+            mostly(st.just(False), st.just(True), 0.9), event, st.booleans(), signal),
+        st.builds(lambda w, g: ("Settle", pb.SettleRequest(worker_id=w, signal=g)), wid, signal),
         st.builds(lambda w, k, t: ("Evict", pb.EvictRequest(worker_id=w, keys=k[0], tier=t)), wid, kc,
                   mostly(st.sampled_from([0, 1, 2, 4]), st.integers(-2**31, 2**31 - 1))),
         st.just(("Stats", pb.StatsRequest())),
@@ -448,7 +451,7 @@ def still_serves(world: World) -> bool:
 
 
 # -- raw bytes against a daemon process --------------------------------------------------
-METHODS = ("Register", "Unregister", "Match", "Load", "Store", "Evict", "Stats")
+METHODS = ("Register", "Unregister", "Match", "Load", "Store", "Evict", "Stats", "Settle")
 
 
 def run_raw(messages: int, seed: int = 0) -> tuple[collections.Counter, bool]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Iterator
 
 import grpc
@@ -42,26 +42,24 @@ def _event(handle: bytes, worker: Registration, field: str = "ready_event") -> t
         raise InvalidArgument(f"{field} is not a CUDA IPC event handle: {error}") from None
 
 
-def _signalled(request: pb.LoadRequest | pb.StoreRequest, worker: Registration
-               ) -> tuple[int, int] | None:
-    """The request's (slot, value) in the worker's signal words, if it gives one."""
+@contextmanager
+def _ordered(request: pb.LoadRequest | pb.StoreRequest, worker: Registration
+             ) -> Iterator[tuple[object | None, object | None, bool]]:
+    """What the call's copies wait on before they touch the worker's rows (its ready word,
+    or its ready event), what marks them done (its done word, or its done event), and
+    whether it signals. A signalled call's done word is written when the block ends if no
+    copy wrote it (tiercache/signals.py): the engine leaves no copy queued when it raises."""
     if not request.HasField("signal"):
-        return None
+        yield (_event(request.ready_event, worker),
+               _event(request.done_event, worker, "done_event"), False)
+        return
     if worker.signals is None:
         raise InvalidArgument("signal names words of RegisterRequest.signals: this worker "
                               "registered none")
-    if request.ready_event:
-        raise InvalidArgument("give ready_event or signal, not both")
-    return request.signal.slot, request.signal.value
-
-
-def _ready(request: pb.LoadRequest | pb.StoreRequest, worker: Registration,
-           signalled: tuple[int, int] | None) -> object | None:
-    """What the call's copies wait on before they touch the worker's rows: its ready word,
-    or its ready event."""
-    if signalled is not None:
-        return worker.signals.ready(*signalled)
-    return _event(request.ready_event, worker)
+    if request.ready_event or request.done_event:
+        raise InvalidArgument("give ready_event and done_event, or signal, not both")
+    with worker.signals.call(request.signal.slot, request.signal.value) as (ready, done):
+        yield ready, done, True
 
 
 _DONE_EVENTS = 4  # events a worker's asynchronous loads hand back, in turn
@@ -212,25 +210,19 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                 slot = request.slot if request.HasField("slot") else None
                 # copies into CPU workers are synchronous anyway
                 asynchronous = request.asynchronous and worker.buffers.device.type == "cuda"
-                # the worker's own done event (it waits on it whatever the reply), with its
-                # done word where it signals (tiercache/signals.py); else, for an
-                # asynchronous load, one of ours, handed back in the reply
-                given = _event(request.done_event, worker, "done_event")
-                signalled = _signalled(request, worker)
-                ready = _ready(request, worker, signalled)
-                if signalled is not None and asynchronous:
-                    done = worker.signals.done(*signalled, given)
-                elif given is None and asynchronous:
-                    done = _done_event(worker)
-                else:
-                    done = given
-                result = self.engine.load(worker.buffers, worker.engine_keys(keys), rows, slot,
-                                          ready=ready, asynchronous=asynchronous, checks=checks,
-                                          done_event=done, alive=lambda: _waiting(context))
+                with _ordered(request, worker) as (ready, given, _):
+                    # the worker's done word or its own done event, which it waits on
+                    # whatever the reply; else, for an asynchronous load, one of ours,
+                    # handed back in the reply
+                    hand_back = given is None and asynchronous
+                    done = _done_event(worker) if hand_back else given
+                    result = self.engine.load(worker.buffers, worker.engine_keys(keys), rows, slot,
+                                              ready=ready, asynchronous=asynchronous, checks=checks,
+                                              done_event=done, alive=lambda: _waiting(context))
                 # the pages it could take: as many as its rows, or the prompt without paged buffers
                 asked = min(len(keys), len(rows)) if worker.layout.needs_pages else len(keys)
                 self.lookups.loaded(worker.namespace.model_id, request.keys, asked, result.match.pages)
-            return load_to_proto(result, hand_back=given is None and signalled is None)
+            return load_to_proto(result, hand_back=hand_back)
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
         with trace.call("Store"):  # a breakdown, when TIERCACHE_TRACE asks for one
@@ -242,17 +234,15 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             rows = self._rows(request)
             with self._worker(request.worker_id, context) as worker:
                 keys = worker.engine_keys(keys)
-                signalled = _signalled(request, worker)
-                ready = _ready(request, worker, signalled)
-                done = _event(request.done_event, worker, "done_event")
-                if signalled is not None and done is not None and not request.durable:
-                    done = worker.signals.done(*signalled, done)
                 shared = self.fleet.before_store(worker, keys, request.event_tokens)
-                result = self.engine.store(worker.buffers, keys, rows, checkpoints, ready=ready,
-                                           checks=checks, alive=lambda: _waiting(context),
-                                           durable=request.durable,
-                                           timeout=context.time_remaining(), remote=shared,
-                                           first_page=request.first_page, done_event=done)
+                with _ordered(request, worker) as (ready, done, signalled):
+                    if signalled and not request.asynchronous:  # it waits for the copies
+                        done = None  # (a worker without signals gives no done event then)
+                    result = self.engine.store(worker.buffers, keys, rows, checkpoints, ready=ready,
+                                               checks=checks, alive=lambda: _waiting(context),
+                                               durable=request.durable,
+                                               timeout=context.time_remaining(), remote=shared,
+                                               first_page=request.first_page, done_event=done)
             return store_to_proto(result)
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
@@ -260,6 +250,16 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         with self._worker(request.worker_id, context) as worker:
             evicted = self.engine.evict(worker.engine_keys(keys), tier_from_proto(request.tier))
         return pb.EvictResponse(evicted=evicted)
+
+    def Settle(self, request: pb.SettleRequest, context: grpc.ServicerContext) -> pb.SettleResponse:
+        with self._worker(request.worker_id, context) as worker:
+            if worker.signals is None:
+                raise InvalidArgument("Settle is for calls with a signal: this worker registered "
+                                      "no signal words")
+            if not request.HasField("signal"):
+                raise InvalidArgument("give the signal of the call to settle")
+            handled = worker.signals.settle(request.signal.slot, request.signal.value)
+        return pb.SettleResponse(handled=handled)
 
     def DescribeGroup(self, request: pb.DescribeGroupRequest, context: grpc.ServicerContext
                       ) -> pb.DescribeGroupResponse:

@@ -232,6 +232,8 @@ class _Remote:
         self._events = _Events(device)  # the ready events this worker hands the daemon
         self._done = OpenedEvents()  # the daemon's, for its asynchronous loads
         self._signals = signals  # where the daemon reads them (tiercache/signals.py)
+        self._unsettled: list[pb.SettleRequest] = []  # calls to settle again (_watch)
+        self._lock = threading.Lock()
         self._daemon = daemon  # (pid, start) where this process can see the daemon's process
         # a thread of its own, no callback from grpc's threads (workers crashed at exit so)
         self._watcher = threading.Thread(target=self._watch, name="tiercache-release", daemon=True)
@@ -263,10 +265,11 @@ class _Remote:
 
     def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
               durable: bool, ready: Any = None, synchronous: bool = False) -> StoreResult:
-        # a durable store replies once its copies are done: the daemon writes no done word
-        with self._ordered(ready, not synchronous, not (synchronous or durable)) as (fields, replied):
+        asynchronous = not (synchronous or durable)  # a durable store replies once copied
+        with self._ordered(ready, not synchronous, asynchronous) as (fields, replied):
             request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
                                       durable=durable, event_tokens=prompt.tokens,
+                                      asynchronous=asynchronous,
                                       first_page=prompt.first_page, **fields,
                                       **_rows_fields(rows, self._packed),
                                       checkpoints=[pb.Checkpoint(pages=n, slot=s)
@@ -280,40 +283,72 @@ class _Remote:
                  ) -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
         """The request's fields that order its copies after the work queued on the current
         stream (or after the caller's `given` event) and, if `awaited`, that stream's later
-        work after the copies; and what to call once the reply came. Where the daemon
-        reads signal words (tiercache/signals.py), a reply to an `asynchronous` call
-        makes the stream wait on the done word: if the daemon dies now, this worker can
-        write that word itself (`_watch`). Without a reply (an error, or a reply lost
-        past its deadline, whose copies may still be queued), the stream waits on the
-        done event instead, which the daemon records after the word: a wait for nothing
-        if it never recorded it, but forever if it dies with the record queued."""
-        signals, replied = self._signals, []
+        work after the copies; and what to call once the reply came.
+
+        Where the daemon reads signal words (tiercache/signals.py), the stream waits on
+        the call's done word wherever copies may still be queued: after an `asynchronous`
+        reply, and after an error without a reply (the call is then settled: the daemon
+        writes the word, after the call's copies if it handled it). If the daemon dies
+        with the word unwritten, this worker writes it itself (`_watch`). Without words,
+        the stream waits on an event of its own that the daemon records after the copies
+        (a wait for nothing if it never recorded it, but forever if it died with the
+        record queued)."""
+        signals = self._signals
         if signals is None:
             with self._events.marked(given) as ready, self._events.awaited(awaited) as done:
                 yield {"ready_event": ready, "done_event": done}, lambda: None
             return
-        with signals.call(given) as call, \
-                self._events.awaited(awaited, unless=lambda: bool(replied)) as done:
-            def reply() -> None:
-                if asynchronous:
-                    call.await_done()
-                replied.append(True)
-            yield {"signal": pb.Signal(slot=call.slot, value=call.value), "done_event": done}, reply
+        replied: list[bool] = []
+        with signals.call(given) as call:
+            try:
+                yield {"signal": pb.Signal(slot=call.slot, value=call.value)}, lambda: replied.append(True)
+            except BaseException:
+                call.await_done()  # some of its copies may be queued: the word comes after them
+                if not replied:
+                    self._settle(pb.SettleRequest(worker_id=self._id, signal=pb.Signal(
+                        slot=call.slot, value=call.value)))
+                raise
+            if asynchronous:
+                call.await_done()
+
+    def _settle(self, request: pb.SettleRequest) -> None:
+        """Ask the daemon to settle a call whose reply did not come; until it answers, the
+        call is asked again (`_watch`). A daemon that no longer holds this registration
+        has none of its copies queued, nor ever will: the worker writes the word itself."""
+        try:
+            self._stub.Settle(request, **self._call)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                self._signals.release_one(request.signal.slot, request.signal.value)
+            else:
+                with self._lock:
+                    self._unsettled.append(request)
+
+    def _settle_again(self) -> None:
+        with self._lock:
+            unsettled, self._unsettled = self._unsettled, []
+        for request in unsettled:
+            self._settle(request)
 
     def _watch(self) -> None:
-        """The registration stream ended: once the daemon's process is gone, write the
-        done words this worker's streams still wait on (its queued copies will never run).
-        A daemon this process cannot see is never known to be gone (README, Failures)."""
+        """Settle again the calls that could not be settled. Once the registration stream
+        ended and the daemon's process is gone, write the done words this worker's
+        streams still wait on (its queued copies will never run). A daemon this process
+        cannot see is never known to be gone (README, Failures)."""
         while not self._stream.done():
+            self._settle_again()
             time.sleep(0.1)
         signals, daemon = self._signals, self._daemon
         if signals is None or daemon is None:
             return
         pid, started = daemon
         while process_started(pid) == started:
+            self._settle_again()
             if not signals.waiting():
                 return
             time.sleep(0.05)
+        with self._lock:
+            self._unsettled = []
         released = signals.release()
         if released:
             log.warning("the daemon (pid %d) died with the copies of %d calls of this worker "

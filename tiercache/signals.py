@@ -3,16 +3,21 @@ worker's GPU memory that either process can write (RegisterRequest.signals).
 
 A GPU call takes a slot and a value. The worker's stream writes the value into the
 slot's ready word after its last use of the call's rows, and the daemon's copies wait
-until the word reaches it (cuStreamWaitValue32, a cyclic comparison). An asynchronous
-call's copies are followed by the daemon writing the value into the slot's done word,
-and, once the reply says they were queued, the worker's stream waits on that word.
+until the word reaches it (cuStreamWaitValue32, a cyclic comparison). The daemon writes
+the value into the slot's done word once none of the call's copies remain queued: after
+them for an asynchronous call, at its end for any other (a miss, an error, a call that
+waited for its copies). The worker's stream waits on that word when copies may still be
+queued: after an asynchronous reply, and after a call that failed without a reply it can
+trust. A call whose request the daemon may never have handled (its deadline passed) is
+settled (`DaemonSignals.settle`, the Settle RPC): the daemon says it handled it, so it
+writes the word, or refuses it from then on and writes the word itself.
 
 Interprocess CUDA events did all of this before. But an event whose recorder dies with
 its record still queued never completes, and recording it again elsewhere does not
-release a wait on it (H100, RESULTS.md): a worker killed with its GPU work queued hung
-the daemon's copy streams, and every worker's copies behind them; a daemon killed with
-copies queued hung the worker's stream. A word is written by whoever survives
-(`DaemonSignals.release`, `WorkerSignals.release`). The daemon's copies into a dead
+release a wait on it; a record, queued by the daemon, of an event of a worker that died
+meanwhile blocks the daemon's stream for good (H100, RESULTS.md). A word is written by
+whoever survives (`DaemonSignals.release`, `WorkerSignals.release`), and the daemon
+records no event of a worker that gives words. The daemon's copies into a dead
 worker's memory still run (harmlessly: the daemon's mapping keeps it); a dead daemon's
 queued copies do not run at all.
 """
@@ -26,7 +31,7 @@ from typing import Any, Iterator
 import torch
 
 from tiercache import cuda_ipc
-from tiercache.errors import InvalidArgument
+from tiercache.errors import FailedPrecondition, InvalidArgument
 
 SLOTS = 1024  # a worker's calls in flight at once, at most (more wait for a slot)
 MAX_SLOTS = 1 << 16
@@ -80,16 +85,22 @@ def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
         return _OWN[index]
 
 
-def _release(device: torch.device, words: dict[int, int]) -> None:
-    """Write each word (address -> value) now, on a stream of our own: the streams that
-    wait on them may be stuck, this one is not."""
+def _release(device: torch.device, words: dict[int, int], wait: bool = True) -> None:
+    """Write each word (address -> value) now, on a stream of our own (the streams that
+    wait on them may be stuck, this one is not); with `wait`, return once written."""
     if not words:
         return
     side = own_stream(device)
-    with _OWN_LOCK:  # one release at a time on the one stream
+    with _OWN_LOCK:  # one writer at a time on the one stream
         for address, value in words.items():
             write_value(side, address, value)
-        side.synchronize()
+        if wait:
+            side.synchronize()
+
+
+def _at_least(word: int, value: int) -> bool:
+    """Whether `word` has reached `value`, as a stream's wait compares them (cyclic)."""
+    return (word - value) & 0xFFFFFFFF < 0x80000000
 
 
 # -- the worker's side ----------------------------------------------------------------------
@@ -183,7 +194,7 @@ class WorkerSignals:
             done = self.words[self.slots:].to("cpu")
         missing = {}
         for slot, value in awaited.items():
-            if (int(done[slot]) - value) & 0xFFFFFFFF >= 0x80000000:  # cyclic: below value
+            if not _at_least(int(done[slot]), value):
                 missing[self.done_word(slot)] = value
             else:
                 with self._lock:
@@ -195,6 +206,14 @@ class WorkerSignals:
         """Whether a stream of this worker's still waits on a done word the daemon has
         not written."""
         return bool(self._missing())
+
+    def release_one(self, slot: int, value: int) -> None:
+        """Write one call's done word: no copies of it are queued, nor ever will be (the
+        daemon no longer holds this registration)."""
+        with self._lock:
+            if self._awaited.get(slot) == value:
+                del self._awaited[slot]
+        _release(self.device, {self.done_word(slot): value})
 
     def release(self) -> int:
         """Write the done words this worker's streams still wait on: the daemon died with
@@ -251,6 +270,39 @@ class DaemonSignals:
         self.lock = threading.Lock()
         self._waits: list[ReadyWait] = []
         self.released = False
+        self._handled: dict[int, int] = {}  # slot -> the latest value a call of it came with
+        self._settled: dict[int, int] = {}  # slot -> a value settled before its call came
+
+    @contextmanager
+    def call(self, slot: int, value: int) -> Iterator[tuple["ReadyWait", "DoneMark"]]:
+        """One call's ready wait and done mark. The done word is written when the block
+        ends, unless the call's copies queued it (DoneMark.record): the caller must leave
+        none of the call's copies queued when it raises. A call its worker settled
+        before it came (`settle`) is refused, with nothing done."""
+        self._check(slot, value)
+        with self.lock:
+            if self._settled.get(slot) == value:
+                raise FailedPrecondition(f"the call of signal slot {slot} (value {value}) came "
+                                         "after its worker settled it: nothing was done")
+            self._handled[slot] = value
+        done = DoneMark(self, self._base + (self.slots + slot) * WORD, value)
+        try:
+            yield self.ready(slot, value), done
+        finally:
+            done.end()
+
+    def settle(self, slot: int, value: int) -> bool:
+        """A call its worker got no reply to: True if it came (its done word is, or will
+        be, written when its copies are done); else it never will be handled, and its
+        done word is written now."""
+        self._check(slot, value)
+        with self.lock:
+            handled = self._handled.get(slot)
+            if handled is not None and _at_least(handled, value):  # or a later call of the slot
+                return True
+            self._settled[slot] = value
+        _release(self.device, {self._base + (self.slots + slot) * WORD: value}, wait=False)
+        return False
 
     def ready(self, slot: int, value: int) -> "ReadyWait":
         self._check(slot, value)
@@ -260,10 +312,6 @@ class DaemonSignals:
                 self._waits = [w for w in self._waits if not w.passed()]
             self._waits.append(wait)
         return wait
-
-    def done(self, slot: int, value: int, event: torch.cuda.Event | None = None) -> "DoneMark":
-        self._check(slot, value)
-        return DoneMark(self._base + (self.slots + slot) * WORD, value, event)
 
     def _check(self, slot: int, value: int) -> None:
         if not 0 <= slot < self.slots or value == 0:
@@ -311,20 +359,27 @@ class ReadyWait:
 
 
 class DoneMark:
-    """The end of one asynchronous call's copies: the done word written (and the worker's
-    interprocess event recorded, if it gave one), on the stream that copies last (what a
-    torch.cuda.Event's `record` does); `query` and `synchronize` ask an event of ours."""
+    """The end of one call's copies: its done word written on the stream that copies
+    last (what a torch.cuda.Event's `record` does), or, if no copy recorded it, when the
+    call ends (`end`); `query` and `synchronize` ask an event of ours."""
 
-    def __init__(self, address: int, value: int, event: torch.cuda.Event | None) -> None:
-        self.address, self.value, self._event = address, value, event
+    def __init__(self, signals: DaemonSignals, address: int, value: int) -> None:
+        self._device, self.address, self.value = signals.device, address, value
         self._own = torch.cuda.Event()
+        self._recorded = False
 
     def record(self, stream: torch.cuda.Stream | None = None) -> None:
         stream = stream or torch.cuda.current_stream()
-        write_value(stream, self.address, self.value)  # first: a wait on the event covers it
-        if self._event is not None:
-            self._event.record(stream)
+        write_value(stream, self.address, self.value)
         self._own.record(stream)
+        self._recorded = True
+
+    def end(self) -> None:
+        """The call ended: write the word now if no copy of it will (nothing of the call
+        is queued any more), before the reply: the worker takes the slot again for a later
+        call once its stream is done with this one, and this write must not land after."""
+        if not self._recorded:
+            _release(self._device, {self.address: self.value})
 
     def query(self) -> bool:
         return self._own.query()

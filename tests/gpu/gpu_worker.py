@@ -13,11 +13,15 @@ writes to the rows it read; prints "ok" if every entry holds the bytes from befo
 behind: the first store and load a fresh daemon makes, each queued behind seconds of
 the worker's GPU work; prints "ok" if both returned before that work was done and the
 load brought the stored bytes.
+unanswered: calls that copy nothing (a miss, refusals by the daemon and by the client, a
+store of entries cached already); prints "ok" if the stream waits on none of them and a
+round trip after them is exact.
 hold: stores one prompt, prints "stored", then waits to be killed.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from tiercache.client import Client
+from tiercache.errors import TiercacheError
 from tiercache.layout import BufferSpec, Layout
 
 PAGES = 8
@@ -166,6 +171,41 @@ def behind(address: str, seed: int) -> None:
     worker.close()
 
 
+def unanswered(address: str, seed: int) -> None:
+    """Calls whose copies never start: a load that misses, one the daemon refuses (no such
+    state slot), one the client refuses before it is sent, a store of entries all cached
+    already. The stream must not wait on any of them; then a round trip is still exact."""
+    worker, tensors = register(address, layout(16384, 4, rows=2 * PAGES), seed)
+    source = {name: bits(t).clone() for name, t in tensors.items()}
+    stream = torch.cuda.current_stream()
+    calls = {"miss": lambda: worker.load(prompt(90), kv_rows=range(PAGES), slot=1),
+             "daemon refused": lambda: worker.load(prompt(91), kv_rows=range(PAGES), slot=99),
+             "client refused": lambda: worker.load(prompt(92), kv_rows=[0, -1], slot=1),
+             "stored": lambda: worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0}),
+             "cached": lambda: worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})}
+    held = []
+    for name, call in calls.items():
+        try:
+            call()
+        except TiercacheError:
+            pass
+        started = time.time()
+        while not stream.query() and time.time() - started < 10:
+            time.sleep(0.01)
+        held += [] if stream.query() else [name]
+    if held:
+        print(f"bad: the stream still waits after {held}", flush=True)
+        os._exit(1)  # a held stream would hold this process's exit too
+    for i in range(4):
+        bits(tensors[f"kv{i}"])[PAGES:].fill_(0xA5)
+    result = worker.load(prompt(0), kv_rows=range(PAGES, 2 * PAGES), slot=1)
+    torch.cuda.synchronize()
+    exact = result.match.pages == PAGES and torch.equal(bits(tensors["state"])[1], source["state"][0]) and all(
+        torch.equal(bits(tensors[f"kv{i}"])[PAGES:], source[f"kv{i}"][:PAGES]) for i in range(4))
+    print("ok" if exact else "bad: the round trip after them", flush=True)
+    worker.close()
+
+
 def hold(address: str, seed: int) -> None:
     worker, _ = register(address, layout(4096, 4, rows=16), seed)
     worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
@@ -198,5 +238,7 @@ if __name__ == "__main__":
         reuse(address, seed)
     elif mode == "behind":
         behind(address, seed)
+    elif mode == "unanswered":
+        unanswered(address, seed)
     else:
         hold(address, seed)

@@ -66,6 +66,15 @@ def test_a_fresh_daemons_first_store_and_load_do_not_wait_for_the_workers_gpu_wo
         assert finish(worker("behind", address, "7")) == "ok"
 
 
+@pytest.mark.parametrize("tier", ["host", "device"])
+def test_calls_that_copy_nothing_leave_the_workers_stream_free(tmp_path, tier):
+    # the daemon writes a call's done word whatever the call did; a call it never saw is
+    # settled (a load the client refused after taking its signal)
+    flags = ["--device-budget", "1GiB"] if tier == "device" else []
+    with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk", *flags) as (address, _):
+        assert finish(worker("unanswered", address, "8")) == "ok"
+
+
 def test_a_killed_worker_is_unmapped_and_others_are_served(tmp_path):
     with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, daemon):
         holder = worker("hold", address, "3")

@@ -63,6 +63,12 @@ CASES = {
     "store, a signal from a worker that registered none": (CODE.INVALID_ARGUMENT, lambda s, w: s.Store(
         pb.StoreRequest(worker_id=w._backend._id, keys=keys_of(w, list(range(96))),
                         kv_rows=range(6), signal=pb.Signal(slot=3, value=7)))),
+    "settle, a worker that registered no signals": (CODE.INVALID_ARGUMENT, lambda s, w: s.Settle(
+        pb.SettleRequest(worker_id=w._backend._id, signal=pb.Signal(slot=0, value=1)))),
+    "settle, no signal": (CODE.INVALID_ARGUMENT, lambda s, w: s.Settle(
+        pb.SettleRequest(worker_id=w._backend._id))),
+    "settle, unknown worker": (CODE.NOT_FOUND, lambda s, w: s.Settle(
+        pb.SettleRequest(worker_id="nobody", signal=pb.Signal(slot=0, value=1)))),
     "load, slot out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Load(
         pb.LoadRequest(worker_id=w._backend._id, keys=keys_of(w), kv_rows=[1, 2], slot=16))),
     "store, row out of range": (CODE.INVALID_ARGUMENT, lambda s, w: s.Store(

@@ -93,8 +93,8 @@ def test_the_workers_stream_waits_on_the_done_word_until_written_or_released():
             copies.wait_event(daemon.ready(call.slot, call.value))
             with torch.cuda.stream(copies):
                 torch.cuda._sleep(50_000_000)  # the daemon's copies
-            done = daemon.done(call.slot, call.value)
-            done.record(copies)
+            with daemon.call(call.slot, call.value) as (_, done):
+                done.record(copies)
             call.await_done()
         seen = torch.zeros(1, device="cuda")
         seen.fill_(1)  # behind the done word
@@ -127,3 +127,58 @@ def test_a_slot_is_taken_again_only_once_its_last_call_is_done():
     thread.join(10)
     assert taken and taken[0][1] == second.value + 1
     assert {first.slot, second.slot} == {0, 1}
+
+
+def test_a_call_without_copies_writes_its_done_word_when_it_ends():
+    # a miss, an error, a call that waited for its copies: nothing records the word, so
+    # the end of the call writes it (the worker's stream may wait on it)
+    worker, daemon = _sides()
+    mine = torch.cuda.Stream()
+    with torch.cuda.stream(mine), worker.call() as call:
+        with daemon.call(call.slot, call.value):
+            pass
+        call.await_done()
+    mine.synchronize()  # not held
+    assert not worker.waiting()
+    with pytest.raises(RuntimeError), torch.cuda.stream(mine), worker.call() as call:
+        with daemon.call(call.slot, call.value):
+            raise RuntimeError("the engine failed, with nothing queued")
+    call.await_done()
+    mine.synchronize()
+
+
+def test_settling_a_call_that_came_leaves_its_word_to_its_copies():
+    from tiercache.signals import own_stream, wait_value, write_value
+    worker, daemon = _sides()
+    copies, mine = torch.cuda.Stream(), torch.cuda.Stream()
+    gate = torch.zeros(1, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(mine), worker.call() as call:
+        with daemon.call(call.slot, call.value) as (ready, done):
+            copies.wait_event(ready)
+            wait_value(copies, gate.data_ptr(), 1)  # copies that cannot finish yet
+            done.record(copies)
+        call.await_done()  # the reply was lost
+    assert daemon.settle(call.slot, call.value)  # but the call came
+    assert _blocked(mine) and worker.waiting()  # so the word waits for its copies
+    write_value(own_stream(gate.device), gate.data_ptr(), 1)  # not a pooled stream: one may be held
+    mine.synchronize()
+    assert done.query() and not worker.waiting()
+
+
+def test_settling_a_call_that_never_came_writes_its_word_and_refuses_it_later():
+    from tiercache.errors import FailedPrecondition
+    worker, daemon = _sides()
+    mine = torch.cuda.Stream()
+    with torch.cuda.stream(mine), worker.call() as call:
+        call.await_done()  # no reply: the stream waits on the word
+    assert _blocked(mine)
+    assert not daemon.settle(call.slot, call.value)
+    mine.synchronize()
+    assert not worker.waiting()
+    with pytest.raises(FailedPrecondition, match="settled"):
+        with daemon.call(call.slot, call.value):
+            pass
+    with worker.call() as later:  # later calls of the slot are served as before
+        with daemon.call(later.slot, later.value):
+            pass

@@ -145,6 +145,20 @@ class Signal(_message.Message):
     value: int
     def __init__(self, slot: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
 
+class SettleRequest(_message.Message):
+    __slots__ = ("worker_id", "signal")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    signal: Signal
+    def __init__(self, worker_id: _Optional[str] = ..., signal: _Optional[_Union[Signal, _Mapping]] = ...) -> None: ...
+
+class SettleResponse(_message.Message):
+    __slots__ = ("handled",)
+    HANDLED_FIELD_NUMBER: _ClassVar[int]
+    handled: bool
+    def __init__(self, handled: _Optional[bool] = ...) -> None: ...
+
 class UnregisterRequest(_message.Message):
     __slots__ = ("worker_id",)
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -246,7 +260,7 @@ class Checkpoint(_message.Message):
     def __init__(self, pages: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event", "checks", "durable", "event_tokens", "first_page", "kv_rows_packed", "done_event", "signal")
+    __slots__ = ("worker_id", "keys", "kv_rows", "checkpoints", "ready_event", "checks", "durable", "event_tokens", "first_page", "kv_rows_packed", "done_event", "signal", "asynchronous")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KV_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +273,7 @@ class StoreRequest(_message.Message):
     KV_ROWS_PACKED_FIELD_NUMBER: _ClassVar[int]
     DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    ASYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     keys: bytes
     kv_rows: _containers.RepeatedScalarFieldContainer[int]
@@ -271,7 +286,8 @@ class StoreRequest(_message.Message):
     kv_rows_packed: bytes
     done_event: bytes
     signal: Signal
-    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., checks: _Optional[bytes] = ..., durable: _Optional[bool] = ..., event_tokens: _Optional[bytes] = ..., first_page: _Optional[int] = ..., kv_rows_packed: _Optional[bytes] = ..., done_event: _Optional[bytes] = ..., signal: _Optional[_Union[Signal, _Mapping]] = ...) -> None: ...
+    asynchronous: bool
+    def __init__(self, worker_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., kv_rows: _Optional[_Iterable[int]] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., checks: _Optional[bytes] = ..., durable: _Optional[bool] = ..., event_tokens: _Optional[bytes] = ..., first_page: _Optional[int] = ..., kv_rows_packed: _Optional[bytes] = ..., done_event: _Optional[bytes] = ..., signal: _Optional[_Union[Signal, _Mapping]] = ..., asynchronous: _Optional[bool] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored", "present", "skipped", "checkpoints")

@@ -74,6 +74,11 @@ class TiercacheStub:
                 request_serializer=tiercache_dot_v1_dot_tiercache__pb2.DescribeGroupRequest.SerializeToString,
                 response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.DescribeGroupResponse.FromString,
                 _registered_method=True)
+        self.Settle = channel.unary_unary(
+                '/tiercache.v1.Tiercache/Settle',
+                request_serializer=tiercache_dot_v1_dot_tiercache__pb2.SettleRequest.SerializeToString,
+                response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.SettleResponse.FromString,
+                _registered_method=True)
 
 
 class TiercacheServicer:
@@ -139,6 +144,17 @@ class TiercacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Settle(self, request, context):
+        """A GPU worker's Load or Store (one with a Signal) whose reply it did not get: its
+        deadline passed, or the connection broke. Says whether the daemon handled the call;
+        if so, it writes the call's done word once the call's copies are done; if not, it
+        refuses the call should it still come, and writes the done word now. Either way the
+        worker's stream may then wait on that word.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TiercacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +197,11 @@ def add_TiercacheServicer_to_server(servicer, server):
                     servicer.DescribeGroup,
                     request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.DescribeGroupRequest.FromString,
                     response_serializer=tiercache_dot_v1_dot_tiercache__pb2.DescribeGroupResponse.SerializeToString,
+            ),
+            'Settle': grpc.unary_unary_rpc_method_handler(
+                    servicer.Settle,
+                    request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.SettleRequest.FromString,
+                    response_serializer=tiercache_dot_v1_dot_tiercache__pb2.SettleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +420,33 @@ class Tiercache:
             '/tiercache.v1.Tiercache/DescribeGroup',
             tiercache_dot_v1_dot_tiercache__pb2.DescribeGroupRequest.SerializeToString,
             tiercache_dot_v1_dot_tiercache__pb2.DescribeGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Settle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiercache.v1.Tiercache/Settle',
+            tiercache_dot_v1_dot_tiercache__pb2.SettleRequest.SerializeToString,
+            tiercache_dot_v1_dot_tiercache__pb2.SettleResponse.FromString,
             options,
             channel_credentials,
             insecure,
