@@ -155,7 +155,8 @@ class GroupRegistry:
                 except NotFound:  # gone since
                     return _incomplete(len(keys))
             return self._engine.match_group(
-                [(m.layout, m.engine_keys(keys)) for m in members], prefetch, checks=checks)
+                [(m.layout, m.engine_keys(keys)) for m in members], prefetch, checks=checks,
+                scope=tenant)
 
 
 def _check_fits(group: _Group, joining: _Group, member: Membership) -> None:

@@ -24,6 +24,7 @@ from tiercache import __version__
 from tiercache_service.lookups import Lookups
 from tiercache.engine import Engine
 from tiercache.results import Tier
+from tiercache.store import NO_SCOPE
 from tiercache.metrics import BUCKETS, HopStats
 from tiercache.tiers.remote.store import Damage, Failure
 
@@ -211,7 +212,7 @@ class EngineCollector:
         self.lookups = lookups
 
     def collect(self) -> Iterator[Family]:
-        stats = self.engine.stats()
+        stats = self.engine.stats(scope=NO_SCOPE)  # a scrape waits for nobody's stores
         counters = stats.counters
         for name, key in _PLAIN.items():
             yield self._value(name, counters.get(key, 0))

@@ -196,7 +196,8 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                                               checks, request.prefetch)
                 else:
                     match = self.engine.match(worker.layout, worker.engine_keys(keys),
-                                              prefetch=request.prefetch, checks=checks)
+                                              prefetch=request.prefetch, checks=checks,
+                                              scope=worker.identity.tenant)
                 model = worker.namespace.model_id
         self.lookups.matched(model, request.keys, match.prompt_pages, match.pages)
         return pb.MatchResponse(match=match_to_proto(match))
@@ -218,7 +219,8 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                     done = _done_event(worker) if hand_back else given
                     result = self.engine.load(worker.buffers, worker.engine_keys(keys), rows, slot,
                                               ready=ready, asynchronous=asynchronous, checks=checks,
-                                              done_event=done, alive=lambda: _waiting(context))
+                                              done_event=done, alive=lambda: _waiting(context),
+                                              scope=worker.identity.tenant)
                 # the pages it could take: as many as its rows, or the prompt without paged buffers
                 asked = min(len(keys), len(rows)) if worker.layout.needs_pages else len(keys)
                 self.lookups.loaded(worker.namespace.model_id, request.keys, asked, result.match.pages)
@@ -242,13 +244,15 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                                                checks=checks, alive=lambda: _waiting(context),
                                                durable=request.durable,
                                                timeout=context.time_remaining(), remote=shared,
-                                               first_page=request.first_page, done_event=done)
+                                               first_page=request.first_page, done_event=done,
+                                               scope=worker.identity.tenant)
             return store_to_proto(result)
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
         keys = self._keys(request.keys, context)
         with self._worker(request.worker_id, context) as worker:
-            evicted = self.engine.evict(worker.engine_keys(keys), tier_from_proto(request.tier))
+            evicted = self.engine.evict(worker.engine_keys(keys), tier_from_proto(request.tier),
+                                        scope=worker.identity.tenant)
         return pb.EvictResponse(evicted=evicted)
 
     def Settle(self, request: pb.SettleRequest, context: grpc.ServicerContext) -> pb.SettleResponse:
@@ -267,8 +271,9 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         return describe_to_proto(self.groups.describe(tenant, request.group))
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
-        self.auth.identify(context)  # figures of every tenant together: callers must be known
-        stats = self.engine.stats()
+        # figures of every tenant together: callers must be known; the caller's own stores
+        # that replied are counted (another tenant's still copying may not be yet)
+        stats = self.engine.stats(scope=self.auth.identify(context).tenant)
         counters = {**stats.counters, **self.lookups.flat(),
                     "ipc_allocations": self.registry.ipc_allocations()}
         if self.engine.disk is not None:  # the disk budget is a share of it (`tiercache stats`)

@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from tiercache.promotions import Promotions
 from tiercache.events import Change, EventLog
 from tiercache.remote import Extension, RemoteTier, RemoteTierConfig
 from tiercache.results import EngineStats, Kind, LoadResult, Match, StopReason, StoreResult, Tier
-from tiercache.store import Stores, StoreJob, checks_of, page_rows
+from tiercache.store import ALL_SCOPES, Stores, StoreJob, checks_of, page_rows
 from tiercache.tiers.arena import SlotArena
 from tiercache.tiers.device import DeviceConfig, device_arena
 from tiercache.tiers.disk import DiskConfig, DiskTier
@@ -225,8 +225,9 @@ class Engine:
                 transfer.prepare(rows, offsets)
 
     def quiesce(self, buffers: WorkerBuffers) -> None:
-        """Return once no copy of this engine touches `buffers` (before they are unmapped)."""
-        self.stores.publishing.settle()
+        """Return once no copy of this engine touches `buffers` (before they are unmapped).
+        Stores that replied need not be completed for that (their copies are what touches
+        the buffers): their scope's thread or next call completes them."""
         transfer = self._transfer_for(buffers)
         transfer.synchronize()
         transfer.forget(buffers.paged)
@@ -238,7 +239,8 @@ class Engine:
               checkpoints: Mapping[int, int] | None = None, ready: Any = None, *,
               checks: np.ndarray | None = None, alive: Callable[[], bool] | None = None,
               durable: bool = False, timeout: float | None = None,
-              remote: bool = True, first_page: int = 0, done_event: Any = None) -> StoreResult:
+              remote: bool = True, first_page: int = 0, done_event: Any = None,
+              scope: Hashable = None) -> StoreResult:
         """Store a prompt after prefill: its KV pages (keys[i] from rows[i]; none for a
         layout without paged buffers) and, of the checkpoints offered, {pages: state slot}
         (each the state after that many pages), those the admission policy keeps. The
@@ -248,7 +250,7 @@ class Engine:
         for a durable store), it returns once the copies are queued and records the event
         after them: the worker's stream waits on it before it writes the rows again. The
         entries are published when the copies are done, before any later call to this
-        engine begins (store.py).
+        engine of the same `scope` begins (store.py; the daemon's scope is the tenant).
 
         `first_page`: the keys are pages first_page+1.. of the prompt, after a hit of
         first_page pages that ends at a checkpoint (a store that adds to what a load
@@ -267,11 +269,12 @@ class Engine:
         `first_page`: the keys are pages first_page+1.. of the prompt (a store that adds to
         a hit sends only what it adds; see Worker.store); checkpoints still count pages from
         the start of the prompt."""
-        self.stores.publishing.settle()
+        self.stores.publishing.settle(scope)
         with trace.span("prepare"):
             job = self.stores.job(buffers, keys, rows, checkpoints, self._transfer_for(buffers), ready,
                                   checks, alive, durable, first_page,
-                                  shared=remote and self.remote is not None, done=done_event)
+                                  shared=remote and self.remote is not None, done=done_event,
+                                  scope=scope)
         result = self.stores.store(job, timeout)
         if job.shared and self.remote.config.writes == "through":
             if buffers.layout.needs_pages:
@@ -309,12 +312,13 @@ class Engine:
 
     # -- match, load, prefetch, evict ---------------------------------------------------------
     def match(self, layout: Any, keys: Keys, prefetch: bool = False, *,
-              checks: np.ndarray | None = None) -> Match:
+              checks: np.ndarray | None = None, scope: Hashable = None) -> Match:
         """The longest hybrid match of `keys` (of entries stored with the same `checks`,
         if given). With `prefetch`, the background thread starts promoting its disk entries
         to the host, so that the load that follows finds them there (a load of an entry
-        still moving waits for it)."""
-        self.stores.publishing.settle()
+        still moving waits for it). Every call sees the entries of the stores of its
+        `scope` that replied before it (`store`)."""
+        self.stores.publishing.settle(scope)
         chain = distinct_keys(keys)
         checks = checks_of(checks, chain)
         self.loads.reap()
@@ -327,10 +331,10 @@ class Engine:
         return match
 
     def match_group(self, members: Sequence[tuple[Any, Keys]], prefetch: bool = False, *,
-                    checks: np.ndarray | None = None) -> Match:
+                    checks: np.ndarray | None = None, scope: Hashable = None) -> Match:
         """The longest prefix that every member of a group can load (tiercache.joint):
         each member's layout and its keys for the same prompt (same page size)."""
-        self.stores.publishing.settle()
+        self.stores.publishing.settle(scope)
         parts = [Member(distinct_keys(keys), layout.page_bytes, layout.checkpoint_bytes)
                  for layout, keys in members]
         self.loads.reap()
@@ -351,7 +355,7 @@ class Engine:
     def load(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int] = (),
              slot: int | None = None, ready: Any = None, asynchronous: bool = False, *,
              checks: np.ndarray | None = None, done_event: Any = None,
-             alive: Callable[[], bool] | None = None) -> LoadResult:
+             alive: Callable[[], bool] | None = None, scope: Hashable = None) -> LoadResult:
         """Copy the longest hybrid match of `keys` (at most len(rows) pages) into `rows` and
         `slot`. Fails as a whole: a damaged entry is dropped and the load redone shorter.
         A load of entries a promotion is still moving waits for it.
@@ -364,7 +368,7 @@ class Engine:
         With `checks`, only entries stored with the same checks hit (see `store`). `alive`
         says whether the caller still waits: once it does not, it may be writing its rows
         itself, so a load that gets to its copies after that raises instead."""
-        self.stores.publishing.settle()
+        self.stores.publishing.settle(scope)
         keys, layout = distinct_keys(keys), buffers.layout
         checks = checks_of(checks, keys)
         fetched = np.empty(0, np.int64)
@@ -383,11 +387,11 @@ class Engine:
             if len(fetched):
                 self.books.unpin(fetched)
 
-    def prefetch(self, layout: Any, keys: Keys, wait: bool = True) -> int:
+    def prefetch(self, layout: Any, keys: Keys, wait: bool = True, *, scope: Hashable = None) -> int:
         """Copy the disk-only entries of the hybrid match of `keys` into the host tier, so a
         load that follows finds them there. Returns how many entries moved, or, without
         `wait`, how many the background thread was asked to move."""
-        self.stores.publishing.settle()
+        self.stores.publishing.settle(scope)
         hit = self.books.match(layout, distinct_keys(keys), pin=wait)
         if self.disk is None or hit.match.pages == 0:
             if wait and hit.match.pages:
@@ -403,12 +407,13 @@ class Engine:
                          np.array([hit.checkpoint_row]), None))
         return self.loads.deliver(hit.rows, jobs, self.transfer).promoted
 
-    def evict(self, keys: Keys | None = None, tier: Tier | None = None) -> int:
-        """Drop the pages and checkpoints named by `keys` (all entries if None) from `tier`
-        (every tier if None); entries a load is reading stay. Evicting from the device tier
-        alone moves entries down: those without a host copy get one first. Returns how
-        many entries were dropped from at least one tier."""
-        self.stores.publishing.settle()
+    def evict(self, keys: Keys | None = None, tier: Tier | None = None, *,
+              scope: Hashable = None) -> int:
+        """Drop the pages and checkpoints named by `keys` (all entries if None: those of
+        every scope's stores) from `tier` (every tier if None); entries a load is reading
+        stay. Evicting from the device tier alone moves entries down: those without a host
+        copy get one first. Returns how many entries were dropped from at least one tier."""
+        self.stores.publishing.settle(ALL_SCOPES if keys is None else scope)
         present = [Tier.DEVICE] * (self.books.device is not None) + [Tier.HOST, Tier.DISK]
         tiers = [t for t in present if tier is None or t == tier]
         if tiers == [Tier.DEVICE]:
@@ -419,8 +424,10 @@ class Engine:
         self.mover.settle(displaced)
         return dropped
 
-    def stats(self) -> EngineStats:
-        self.stores.publishing.settle()
+    def stats(self, scope: Hashable = ALL_SCOPES) -> EngineStats:
+        """The tiers' figures and the counters, with the stores of `scope` that replied
+        before this call completed (NO_SCOPE: none waited for, as a metrics scrape)."""
+        self.stores.publishing.settle(scope)
         stats = self.books.stats(self.traffic.snapshot())
         if self.remote is not None:
             stats.counters.update(self.remote.stats())

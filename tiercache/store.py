@@ -23,7 +23,7 @@ import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -62,6 +62,7 @@ class StoreJob:
     first: int = 0  # the chain is pages first+1.. of the prompt
     shared: bool = False  # its new entries may go to the remote tier when they leave
     done: Any = None  # the worker's event to record after the copies: return once queued
+    scope: Hashable = None  # whose later calls see its entries, once it replied (Publishing)
 
     def again(self, depths: np.ndarray) -> "StoreJob":
         """This store once more, for the checkpoints at `depths` only (pages all again),
@@ -94,7 +95,8 @@ class Stores:
     def job(self, buffers: WorkerBuffers, keys: Keys, rows: Sequence[int],
             checkpoints: Mapping[int, int] | None, transfer: Transfer, ready: Any,
             checks: np.ndarray | None, alive: Alive | None, durable: bool,
-            first: int = 0, shared: bool = False, done: Any = None) -> StoreJob:
+            first: int = 0, shared: bool = False, done: Any = None,
+            scope: Hashable = None) -> StoreJob:
         """Check a store's input and keep the checkpoints admission picks of those offered.
         With `first`, the keys are pages first+1.. and checkpoints still count from page 1.
         `done` is ignored for a durable store, which returns once on disk anyway."""
@@ -122,7 +124,7 @@ class Stores:
             raise FailedPrecondition("durable stores need a disk tier: start the daemon with one")
         return StoreJob(buffers, chain, src, {n: slots[n] for n in kept.tolist()}, transfer, ready,
                         checks, alive, [] if durable else None, first, shared,
-                        None if durable else done)
+                        None if durable else done, scope)
 
     def store(self, job: StoreJob, timeout: float | None = None) -> StoreResult:
         try:
@@ -177,7 +179,7 @@ class Stores:
             job.transfer.fence("store", into=job.done)
             for flight in flights:
                 flight.replied = True
-            self.publishing.add(lambda: self._complete(flights, published))
+            self.publishing.add(lambda: self._complete(flights, published), job.scope)
         result = StoreResult(0, 0, 0)
         if pages is not None:
             result += pages.result(len(job.chain))[0]
@@ -448,10 +450,46 @@ def page_rows(buffers: WorkerBuffers, chain: np.ndarray, rows: Sequence[int]) ->
     return src
 
 
+ALL_SCOPES, NO_SCOPE = object(), object()  # Publishing.settle: every scope's stores, or none
+
+
 class Publishing:
-    """Stores that replied with their copies queued: each is completed (its entries
-    published, `Stores._complete`) in the order they replied, by a thread of its own as
-    soon as its copies are done, or by a call that begins after its reply (`settle`)."""
+    """Stores that replied with their copies queued, by scope (the daemon's is the
+    caller's tenant: no call of one tenant can see another's entries). Each scope's
+    stores are completed (their entries published, `Stores._complete`) in the order they
+    replied, by a thread of the scope's own as soon as their copies are done, or by a
+    call of the scope that begins after the reply (`settle`). So a store whose copies
+    still wait for its worker's GPU work holds back the calls of its own scope only."""
+
+    def __init__(self, books: Books) -> None:
+        self.books = books
+        self._queues: dict[Hashable, _Queue] = {}
+        self._lock = threading.Lock()
+
+    def add(self, complete: Callable[[], None], scope: Hashable = None) -> None:
+        with self._lock:
+            queue = self._queues.get(scope)
+            if queue is None:
+                queue = self._queues[scope] = _Queue(self.books)
+        queue.add(complete)
+
+    def settle(self, scope: Hashable = ALL_SCOPES) -> None:
+        """Return once every store of `scope` that replied before this call is completed."""
+        with self._lock:
+            queues = list(self._queues.values()) if scope is ALL_SCOPES else [self._queues.get(scope)]
+        for queue in queues:
+            if queue is not None:
+                queue.settle()
+
+    def close(self) -> None:
+        with self._lock:
+            queues = list(self._queues.values())
+        for queue in queues:
+            queue.close()
+
+
+class _Queue:
+    """One scope's stores that replied, completed in order, once each."""
 
     def __init__(self, books: Books) -> None:
         self.books = books
@@ -469,7 +507,6 @@ class Publishing:
         self._runner.kick()
 
     def settle(self) -> None:
-        """Return once every store that replied before this call is completed."""
         upto = self._added
         while self._completed < upto and self._step():
             pass

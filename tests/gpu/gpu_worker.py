@@ -16,6 +16,7 @@ load brought the stored bytes.
 unanswered: calls that copy nothing (a miss, refusals by the daemon and by the client, a
 store of entries cached already); prints "ok" if the stream waits on none of them and a
 round trip after them is exact.
+slow: an asynchronous store queued behind 6 s of GPU work; prints "replied", ends when told.
 hold: stores one prompt, prints "stored", then waits to be killed.
 """
 
@@ -206,6 +207,18 @@ def unanswered(address: str, seed: int) -> None:
     worker.close()
 
 
+def slow(address: str, seed: int) -> None:
+    """An asynchronous store whose copies wait behind seconds of this worker's GPU work:
+    prints "replied" at once, and ends when told to."""
+    worker, _ = register(address, layout(16384, 4, rows=2 * PAGES), seed)
+    sleep_gpu(6)
+    worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
+    print("replied", flush=True)
+    sys.stdin.readline()
+    torch.cuda.synchronize()
+    worker.close()
+
+
 def hold(address: str, seed: int) -> None:
     worker, _ = register(address, layout(4096, 4, rows=16), seed)
     worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
@@ -240,5 +253,7 @@ if __name__ == "__main__":
         behind(address, seed)
     elif mode == "unanswered":
         unanswered(address, seed)
+    elif mode == "slow":
+        slow(address, seed)
     else:
         hold(address, seed)

@@ -3,6 +3,7 @@ CUDA buffers shared by IPC. Runs only where there is a GPU (make test-gpu)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 import pytest
 import torch
 
+from tests.gpu.gpu_worker import PAGES, layout, prompt
 from tests.service.daemon import ROOT, running_daemon
 from tiercache.client import Client
 
@@ -73,6 +75,32 @@ def test_calls_that_copy_nothing_leave_the_workers_stream_free(tmp_path, tier):
     flags = ["--device-budget", "1GiB"] if tier == "device" else []
     with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk", *flags) as (address, _):
         assert finish(worker("unanswered", address, "8")) == "ok"
+
+
+def test_a_store_behind_one_tenants_gpu_work_holds_back_that_tenants_calls_only(tmp_path):
+    # a store replies with its copies queued behind the worker's GPU work, and every call
+    # that begins after the reply sees its entries: every call of its tenant waits for
+    # them, and none of another tenant's (which cannot see them)
+    (tmp_path / "tenants.toml").write_text('[tenants.acme]\ntokens = ["acme-token"]\n'
+                                           '[tenants.beta]\ntokens = ["beta-token"]\n')
+    (tmp_path / "tenants.toml").chmod(0o600)
+    with running_daemon(tmp_path / "data", "--tenants-file", str(tmp_path / "tenants.toml"),
+                        "--host-budget", "1GiB", "--no-disk") as (address, _):
+        beta = Client(address, token="beta-token").register("cpu", layout(4096, 2, rows=16))
+        beta.store(prompt(5), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
+        acme = Client(address, token="acme-token").register("cpu", layout(4096, 2, rows=16))
+        slow = subprocess.Popen([sys.executable, "-m", "tests.gpu.gpu_worker", "slow", address, "9"],
+                                cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "TIERCACHE_TOKEN": "acme-token"})
+        assert slow.stdout.readline().strip() == "replied"
+        started = time.monotonic()
+        assert beta.match(prompt(5)).pages == PAGES
+        beta.stats()
+        others = time.monotonic() - started
+        assert acme.match(prompt(5)).pages == 0
+        own = time.monotonic() - started
+        slow.communicate("end\n", timeout=60)
+        assert others < 2 < own, (others, own)  # the 6 s of GPU work: acme's calls only
 
 
 def test_a_killed_worker_is_unmapped_and_others_are_served(tmp_path):

@@ -109,6 +109,39 @@ def test_calls_after_a_reply_settle_it_before_they_act():
         engine.close()
 
 
+def test_a_store_held_back_holds_back_the_calls_of_its_own_scope_only():
+    """The daemon's scope is the tenant: a store whose copies wait (here, its publish held)
+    must not hold back another tenant's calls, nor a metrics scrape; its own tenant's
+    calls still see its entries."""
+    from tiercache.store import NO_SCOPE
+    engine, source = open_engine(), random_buffers(LAYOUT, seed=8)
+    keys, others = prompt_keys(LAYOUT, seed=8, pages=PAGES), prompt_keys(LAYOUT, seed=9, pages=20)
+    assert engine.store(source, others, range(20), {20: 0}, scope="b").stored == 21
+    held = Held()
+    with failpoints.armed("store.before_publish", held):
+        engine.store(source, keys, range(PAGES), {PAGES: 1}, done_event=object(), scope="a")
+        assert held.reached.wait(10)
+        started = time.monotonic()
+        assert engine.match(LAYOUT, others, scope="b").pages == 20  # at once
+        assert engine.load(random_buffers(LAYOUT, seed=10), others, range(20), slot=0,
+                           scope="b").match.pages == 20
+        assert engine.store(source, others, range(20), {20: 0}, scope="b").present == 21
+        assert engine.evict(others, scope="b") == 21
+        engine.stats(scope=NO_SCOPE)
+        assert time.monotonic() - started < 5  # none of them waited for the held publish
+        assert engine.books.storing()  # still held
+        seen = []
+        matcher = threading.Thread(target=lambda: seen.append(engine.match(LAYOUT, keys, scope="a")))
+        matcher.start()
+        matcher.join(0.3)
+        assert matcher.is_alive()  # its own scope waits for it
+        held.go.set()
+        matcher.join(10)
+    assert seen[0].pages == PAGES
+    assert violations(engine) == []
+    engine.close()
+
+
 def test_a_publish_that_fails_after_the_reply_leaves_nothing_behind():
     engine, source = open_engine(), random_buffers(LAYOUT, seed=4)
     keys = prompt_keys(LAYOUT, seed=4, pages=PAGES)
