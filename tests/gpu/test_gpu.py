@@ -86,7 +86,8 @@ def test_a_store_behind_one_tenants_gpu_work_holds_back_that_tenants_calls_only(
     (tmp_path / "tenants.toml").chmod(0o600)
     with running_daemon(tmp_path / "data", "--tenants-file", str(tmp_path / "tenants.toml"),
                         "--host-budget", "1GiB", "--no-disk") as (address, _):
-        beta = Client(address, token="beta-token").register("cpu", layout(4096, 2, rows=16))
+        beta_client = Client(address, token="beta-token")
+        beta = beta_client.register("cpu", layout(4096, 2, rows=16))
         beta.store(prompt(5), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
         acme = Client(address, token="acme-token").register("cpu", layout(4096, 2, rows=16))
         slow = subprocess.Popen([sys.executable, "-m", "tests.gpu.gpu_worker", "slow", address, "9"],
@@ -95,7 +96,7 @@ def test_a_store_behind_one_tenants_gpu_work_holds_back_that_tenants_calls_only(
         assert slow.stdout.readline().strip() == "replied"
         started = time.monotonic()
         assert beta.match(prompt(5)).pages == PAGES
-        beta.stats()
+        beta_client.stats()
         others = time.monotonic() - started
         assert acme.match(prompt(5)).pages == 0
         own = time.monotonic() - started
