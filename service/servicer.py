@@ -212,9 +212,9 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                 # copies into CPU workers are synchronous anyway
                 asynchronous = request.asynchronous and worker.buffers.device.type == "cuda"
                 with _ordered(request, worker) as (ready, given, _):
-                    # the worker's done word or its own done event, which it waits on
-                    # whatever the reply; else, for an asynchronous load, one of ours,
-                    # handed back in the reply
+                    # what marks the copies done: the worker's done word or its own done
+                    # event; else, for an asynchronous load, an event of ours, handed back
+                    # in the reply
                     hand_back = given is None and asynchronous
                     done = _done_event(worker) if hand_back else given
                     result = self.engine.load(worker.buffers, worker.engine_keys(keys), rows, slot,
@@ -238,8 +238,8 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                 keys = worker.engine_keys(keys)
                 shared = self.fleet.before_store(worker, keys, request.event_tokens)
                 with _ordered(request, worker) as (ready, done, signalled):
-                    if signalled and not request.asynchronous:  # it waits for the copies
-                        done = None  # (a worker without signals gives no done event then)
+                    if signalled and not request.asynchronous:  # reply once copied: the
+                        done = None  # done word is written when the call ends
                     result = self.engine.store(worker.buffers, keys, rows, checkpoints, ready=ready,
                                                checks=checks, alive=lambda: _waiting(context),
                                                durable=request.durable,
