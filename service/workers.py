@@ -191,6 +191,7 @@ class WorkerRegistry:
         self._quiesce = quiesce  # returns once no copy touches these buffers
         self._tickets = tickets  # the mappings shared-memory tickets stand for
         self._workers: dict[str, Registration] = {}
+        self._closing: dict[str, Registration] = {}  # removed, their mappings still open
         self._changed = threading.Condition()
 
     def __len__(self) -> int:
@@ -202,7 +203,7 @@ class WorkerRegistry:
     def ipc_allocations(self) -> int:
         """CUDA allocations of workers that the daemon holds open now."""
         with self._changed:
-            return sum(len(r.opened) for r in self._workers.values())
+            return sum(len(r.opened) for r in (*self._workers.values(), *self._closing.values()))
 
     def add(self, request: pb.RegisterRequest, identity: Identity = Identity("", "anyone"),
             hash_name: str = "") -> Registration:
@@ -265,7 +266,7 @@ class WorkerRegistry:
         allocation may read and write it through loads and stores."""
         handles = {bytes(loc.cuda.handle) for loc in locations if loc.HasField("cuda")}
         with self._changed:
-            for other in self._workers.values():
+            for other in (*self._workers.values(), *self._closing.values()):
                 if other.identity != identity and handles & other.handles:
                     raise PermissionDenied("a CUDA allocation named here is registered by another "
                                            "identity's worker: register allocations of your own")
@@ -304,11 +305,14 @@ class WorkerRegistry:
     def remove(self, worker_id: str) -> bool:
         """Forget a worker once no call uses it: wait for the copies still touching its
         buffers (asynchronous loads), then close its CUDA allocations; shared-memory
-        mappings go with the last reference."""
+        mappings go with the last reference. The wait is outside the registry's lock:
+        those copies may wait for seconds of a worker's GPU work, and every call looks its
+        worker up here."""
         with self._changed:
             registration = self._workers.pop(worker_id, None)
             if registration is None:
                 return False
+            self._closing[worker_id] = registration
             if registration.signals is not None:  # its own stream may never write them
                 released = registration.signals.release()
                 if released:
@@ -317,11 +321,15 @@ class WorkerRegistry:
                                 worker_id, released)
             while registration.active:
                 self._changed.wait()
+        try:
             if registration.buffers is not None:
                 self._quiesce(registration.buffers)
             registration.buffers = None
-        for allocation in registration.opened:
-            allocation.close()
+            for allocation in registration.opened:
+                allocation.close()
+        finally:
+            with self._changed:
+                del self._closing[worker_id]
         registration.gone.set()
         return True
 

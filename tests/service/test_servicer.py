@@ -3,6 +3,8 @@ socket cannot stage reliably (a deadline already past on arrival)."""
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 
@@ -83,3 +85,45 @@ def test_an_unexpected_error_is_internal_without_internals(served, monkeypatch):
     with pytest.raises(Aborted):
         guarded(servicer, "Match")(pb.MatchRequest(worker_id=reply.worker_id, keys=keys), context)
     assert context.code == grpc.StatusCode.INTERNAL and "ZeroDivision" not in context.details
+
+
+def test_a_registration_that_ends_waits_for_its_copies_without_holding_up_other_calls(tmp_path):
+    # ending a registration waits until no copy touches its buffers, which may take
+    # seconds of a worker's GPU work: meanwhile every other call goes on
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=1 << 24)))
+    handover = Handover(str(tmp_path / "fds")).start()
+    copying, done = threading.Event(), threading.Event()
+
+    def quiesce(buffers):  # the engine's, after copies that take until the test says
+        copying.set()
+        assert done.wait(10)
+        engine.quiesce(buffers)
+    servicer = TiercacheServicer(engine, WorkerRegistry(4, quiesce, tickets=handover),
+                                 max_prompt_pages=1000)
+    workers, shared = [], []
+    for _ in range(2):
+        shared.append(SharedBuffers.create(LAYOUT))
+        ticket = shared[-1].hand_over(handover.path)
+        workers.append(next(servicer.Register(pb.RegisterRequest(
+            model_id="test-model", layout=layout_to_proto(LAYOUT), buffers=[
+                pb.BufferLocation(name=p.spec.name, nbytes=p.nbytes,
+                                  shm=pb.SharedMemoryBuffer(ticket=ticket, offset=p.offset))
+                for p in shared[-1].placements]), Context())))
+    ending = threading.Thread(target=servicer.registry.remove, args=(workers[0].worker_id,))
+    ending.start()
+    assert copying.wait(10)
+    keys = b"".join(page_keys(prompt(0), workers[1].namespace_root, 16))
+    stored = servicer.Store(pb.StoreRequest(worker_id=workers[1].worker_id, keys=keys,
+                                            kv_rows=range(6), checkpoints=[pb.Checkpoint(pages=6, slot=2)]),
+                            Context())
+    assert stored.stored == 7
+    assert servicer.Stats(pb.StatsRequest(), Context()).workers == 1
+    assert ending.is_alive()  # still waiting for its copies
+    done.set()
+    ending.join(10)
+    assert not ending.is_alive() and len(servicer.registry) == 1
+    servicer.registry.remove_all()
+    handover.stop()
+    for one in shared:
+        one.close()
+    engine.close()
