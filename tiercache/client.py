@@ -317,8 +317,8 @@ class _Remote:
         has none of its copies queued, nor ever will: the worker writes the word itself."""
         try:
             self._stub.Settle(request, **self._call)
-        except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.NOT_FOUND:
+        except Exception as error:  # grpc's errors, or its channel closed (ValueError)
+            if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.NOT_FOUND:
                 self._signals.release_one(request.signal.slot, request.signal.value)
             else:
                 with self._lock:
