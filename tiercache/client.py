@@ -525,12 +525,12 @@ class _Events:
             yield handle
 
     @contextmanager
-    def awaited(self, wanted: bool = True, unless: Callable[[], bool] = lambda: False) -> Iterator[bytes]:
+    def awaited(self, wanted: bool = True) -> Iterator[bytes]:
         """The handle of an event for the daemon to record after a call's copies, which may
         still run after its reply, or after the call failed (b"" without a GPU, or if not
         `wanted`). When the block ends, however it ends, the current stream waits on the
         event's latest record: the daemon's, or this one's, a wait for nothing, if it
-        recorded none (unless `unless()` says the caller ordered the stream otherwise)."""
+        recorded none."""
         if not wanted or self._device is None:
             yield b""
             return
@@ -538,8 +538,7 @@ class _Events:
             try:
                 yield handle
             finally:
-                if not unless():
-                    torch.cuda.current_stream(self._device).wait_event(event)
+                torch.cuda.current_stream(self._device).wait_event(event)
 
     @contextmanager
     def _taken(self) -> Iterator[tuple[torch.cuda.Event, bytes]]:

@@ -85,17 +85,16 @@ def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
         return _OWN[index]
 
 
-def _release(device: torch.device, words: dict[int, int], wait: bool = True) -> None:
+def _release(device: torch.device, words: dict[int, int]) -> None:
     """Write each word (address -> value) now, on a stream of our own (the streams that
-    wait on them may be stuck, this one is not); with `wait`, return once written."""
+    wait on them may be stuck, this one is not), and return once written."""
     if not words:
         return
     side = own_stream(device)
     with _OWN_LOCK:  # one writer at a time on the one stream
         for address, value in words.items():
             write_value(side, address, value)
-        if wait:
-            side.synchronize()
+        side.synchronize()
 
 
 def _at_least(word: int, value: int) -> bool:
@@ -285,7 +284,7 @@ class DaemonSignals:
                 raise FailedPrecondition(f"the call of signal slot {slot} (value {value}) came "
                                          "after its worker settled it: nothing was done")
             self._handled[slot] = value
-        done = DoneMark(self, self._base + (self.slots + slot) * WORD, value)
+        done = DoneMark(self, self._done_word(slot), value)
         try:
             yield self.ready(slot, value), done
         finally:
@@ -301,8 +300,11 @@ class DaemonSignals:
             if handled is not None and _at_least(handled, value):  # or a later call of the slot
                 return True
             self._settled[slot] = value
-        _release(self.device, {self._base + (self.slots + slot) * WORD: value}, wait=False)
+        _release(self.device, {self._done_word(slot): value})
         return False
+
+    def _done_word(self, slot: int) -> int:
+        return self._base + (self.slots + slot) * WORD
 
     def ready(self, slot: int, value: int) -> "ReadyWait":
         self._check(slot, value)
