@@ -16,7 +16,8 @@ Then a 32k-token prefix of a Qwen3-Next-shaped layout (12 attention layers x K, 
 KV heads x 256 dims in bf16, pages of 16 tokens; 36 GDN layers with a 32x128x128 fp32
 recurrent state and an 8192x3 bf16 conv state): the time until the worker's rows are
 copied out by Store (the daemon's device tier takes the bytes device to device; the
-worker's stream could write them again from the reply on), beside one
+worker's stream could write them again from the reply on), and by Worker.post (copied into
+the worker's outbox on its own stream; and, apart, until the daemon's reply), beside one
 device-to-device copy of the same bytes; and the reload time from the device tier (right
 behind the store, while the daemon copies its entries down to the host, and again once
 it is idle) and from the host tier, beside a device-to-device copy and a bulk pinned copy;
@@ -173,10 +174,28 @@ def prefix_32k(address: str) -> dict[str, float]:
     layout = qwen3_next_layout(2 * pages)
     tensors = {b.name: torch.randn(b.shape, device="cuda").to(getattr(torch, b.dtype))
                for b in (*layout.paged, *layout.slots)}
-    worker = Client(address).register("qwen3-next-shaped", layout, buffers=tensors)
+    worker = Client(address).register("qwen3-next-shaped", layout, buffers=tensors, outbox_pages=pages)
     keys = worker.keys(np.random.default_rng(32).integers(0, 150_000, 32768).tolist())
     nbytes = pages * layout.page_bytes + layout.checkpoint_bytes
     src, dst = list(range(pages)), list(range(pages, 2 * pages))
+    posted = []
+
+    def post():  # until the rows may be written again: copied into the worker's outbox
+        posted.append(worker.post(keys=keys, kv_rows=src, checkpoints={32768: 0}))
+        torch.cuda.current_stream().synchronize()
+
+    def post_replied():  # until the daemon's reply: the entries are stored
+        assert worker.post(keys=keys, kv_rows=src, checkpoints={32768: 0}).result().stored == pages + 1
+
+    def answered() -> None:  # the last posts' replies, untimed, then a daemon that holds nothing
+        assert all(f.result().stored == pages + 1 for f in posted), [f.result() for f in posted]
+        posted.clear()
+        forget(worker, keys, address)
+    post_s = median_seconds(post, repeat=5, setup=answered)
+    replied_s = median_seconds(post_replied, repeat=5, setup=answered)
+    worker.load(keys=keys, kv_rows=dst, slot=1, synchronous=True)
+    assert all(torch.equal(tensors[b.name][dst].view(torch.int16), tensors[b.name][src].view(torch.int16))
+               for b in layout.paged) and torch.equal(tensors["gdn0.recurrent"][1], tensors["gdn0.recurrent"][0])
 
     def store():  # until the copies are done, as above
         stored = worker.store(keys=keys, kv_rows=src, checkpoints={32768: 0})
@@ -206,13 +225,16 @@ def prefix_32k(address: str) -> dict[str, float]:
     print_table(f"32k-token Qwen3-Next-shaped prefix ({nbytes / MiB:.0f} MiB: KV pages + one checkpoint)",
                 ["operation", "ms", "peer", "peer ms", "ours / peer"],
                 [("store, rows copied out", store_s * 1e3, "d2d copy", d2d_s * 1e3, store_s / d2d_s),
+                 ("post (outbox), rows free", post_s * 1e3, "d2d copy", d2d_s * 1e3, post_s / d2d_s),
+                 ("post (outbox), replied", replied_s * 1e3, "d2d copy", d2d_s * 1e3, replied_s / d2d_s),
                  ("reload from device, behind its store", device_s * 1e3, "d2d copy", d2d_s * 1e3,
                   device_s / d2d_s),
                  ("reload from device, idle daemon", idle_s * 1e3, "d2d copy", d2d_s * 1e3, idle_s / d2d_s),
                  ("reload from host", host_s * 1e3, "bulk h2d", h2d_s * 1e3, host_s / h2d_s),
                  ("empty RPC + d2d copy: the floor", (rpc_s + d2d_s) * 1e3, "d2d copy", d2d_s * 1e3,
                   (rpc_s + d2d_s) / d2d_s)])
-    return {"store_32k_over_d2d": store_s / d2d_s, "reload_device_32k_over_d2d": device_s / d2d_s,
+    return {"store_32k_over_d2d": store_s / d2d_s, "post_32k_over_d2d": post_s / d2d_s,
+            "post_replied_32k_over_d2d": replied_s / d2d_s, "reload_device_32k_over_d2d": device_s / d2d_s,
             "reload_device_idle_32k_over_d2d": idle_s / d2d_s, "reload_host_32k_over_bulk": host_s / h2d_s,
             "floor_32k_over_d2d": (rpc_s + d2d_s) / d2d_s}
 

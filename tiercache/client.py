@@ -22,7 +22,10 @@ directions, without host synchronisation: the daemon starts after a mark queued 
 that stream (tiercache.signals), and a load returns at once with the stream already
 waiting on the mark of the bytes in place; so does a store through a daemon, with the stream waiting
 until the rows are copied out (pass `synchronous=True` to either to wait on the host
-instead). A call made after a store returns sees its entries either way.
+instead). A call made after a store returns sees its entries either way. A GPU worker
+with an outbox (`register(..., outbox_pages=N)`) may `post` a store instead: its rows are
+free once copied into the outbox on the stream, and the call goes from a thread
+(tiercache/outbox.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
@@ -48,9 +52,10 @@ from tiercache.hashing import (Chain, Keys, Namespace, PageKey, key_array, page_
                                token_array)
 from tiercache.results import CacheStats, LoadResult, Match, StoreResult, Tier
 from tiercache.layout import Layout
+from tiercache.outbox import Outbox, allocate, outbox_layout
 from tiercache.regions import SharedRegion, region_locations
 from tiercache.shm import SharedBuffers
-from tiercache.signals import WorkerSignals, process_started
+from tiercache.signals import Call, WorkerSignals, process_started
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 from tiercache.wire import (error_of, layout_to_proto, load_from_proto, match_from_proto,
@@ -97,6 +102,7 @@ class Worker:
         self.paged = {b.name: tensors[b.name] for b in layout.paged}
         self.slots = {b.name: tensors[b.name] for b in layout.slots}
         self._backend = backend
+        self._outbox: Outbox | None = None  # Client.register(..., outbox_pages=N)
 
     def keys(self, tokens: Any) -> list[PageKey]:
         """The page keys of a prompt in this worker's namespace (full pages only)."""
@@ -145,6 +151,30 @@ class Worker:
         here); checkpoint positions still count from the start. Start at the hit's last
         page (hit - 1): that entry is cached already, and it anchors the new ones (their
         parent in KV events, the checkpoint their worth is counted from)."""
+        request, rows, pages = self._stored(tokens, keys, kv_rows, checkpoints, publish_tokens, first_page)
+        return self._backend.store(request, rows, pages, durable, ready, synchronous)
+
+    def post(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
+             checkpoints: Mapping[int, int] | None = None, publish_tokens: bool = False,
+             first_page: int = 0) -> Future[StoreResult]:
+        """Store through this worker's outbox (`Client.register(..., outbox_pages=N)`,
+        tiercache/outbox.py), with `store`'s arguments: the rows and the checkpoints' slots
+        are copied into the outbox on the current stream, and may be written again on that
+        stream at once (on another, after it); the call to the daemon goes from a thread
+        of the outbox's. The future holds its StoreResult, or its error; calls made after
+        it is done see the entries. Without an outbox, or for a prompt it cannot hold,
+        this is `store`, its result in a future that is done."""
+        request, rows, pages = self._stored(tokens, keys, kv_rows, checkpoints, publish_tokens, first_page)
+        if self._outbox is not None and self._outbox.fits(rows, pages):
+            return self._outbox.post(request, rows, pages)
+        done: Future[StoreResult] = Future()
+        done.set_result(self._backend.store(request, rows, pages, False))
+        return done
+
+    def _stored(self, tokens: Any, keys: Keys | Chain | None, kv_rows: Sequence[int],
+                checkpoints: Mapping[int, int] | None, publish_tokens: bool, first_page: int
+                ) -> tuple[Request, np.ndarray, dict[int, int]]:
+        """A store's request, rows and checkpoints {page: state slot}."""
         page = self.layout.page_tokens
         bad = [p for p in (checkpoints or {}) if p <= 0 or p % page]
         if bad:
@@ -161,7 +191,7 @@ class Worker:
             cut = first_page if tokens is not None else 0
             request = replace(request, keys=request.keys[16 * cut:], checks=request.checks[8 * cut:],
                               tokens=request.tokens[4 * page * cut:], first_page=first_page)
-        return self._backend.store(request, _row_array(kv_rows), pages, durable, ready, synchronous)
+        return request, _row_array(kv_rows), pages
 
     def evict(self, tokens: Any = None, *, keys: Keys | Chain | None = None,
               tier: Tier | None = None) -> int:
@@ -176,6 +206,8 @@ class Worker:
         return self._backend.connected()
 
     def close(self) -> None:
+        if self._outbox is not None:
+            self._outbox.close()  # its calls answered first: they may read the worker's rows
         self._backend.close()
 
     def __enter__(self) -> "Worker":
@@ -231,7 +263,7 @@ class _Remote:
         self._call = {"timeout": timeout, "metadata": metadata}
         self._events = _Events(device)  # the ready events this worker hands the daemon
         self._done = OpenedEvents()  # the daemon's, for its asynchronous loads
-        self._signals = signals  # where the daemon reads them (tiercache/signals.py)
+        self.signals = signals  # where the daemon reads them (tiercache/signals.py)
         self._unsettled: list[pb.SettleRequest] = []  # calls to settle again (_watch)
         self._lock = threading.Lock()
         self._daemon = daemon  # (pid, start) where this process can see the daemon's process
@@ -267,16 +299,29 @@ class _Remote:
               durable: bool, ready: Any = None, synchronous: bool = False) -> StoreResult:
         asynchronous = not (synchronous or durable)  # a durable store replies once copied
         with self._ordered(ready, not synchronous, asynchronous) as (fields, replied):
-            request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                      durable=durable, event_tokens=prompt.tokens,
-                                      asynchronous=asynchronous,
-                                      first_page=prompt.first_page, **fields,
-                                      **_rows_fields(rows, self._packed),
-                                      checkpoints=[pb.Checkpoint(pages=n, slot=s)
-                                                   for n, s in sorted(checkpoints.items())])
-            result = store_from_proto(_rpc(lambda: self._stub.Store(request, **self._call)))
+            result = self._stored(prompt, rows, checkpoints, durable, asynchronous, fields)
             replied()
             return result
+
+    def store_signalled(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
+                        call: Call) -> StoreResult:
+        """An asynchronous store whose ready word is written and whose done word is waited
+        for already (tiercache/outbox.py)."""
+        with self._settled(call, awaited=True) as replied:
+            fields = {"signal": pb.Signal(slot=call.slot, value=call.value)}
+            result = self._stored(prompt, rows, checkpoints, False, True, fields)
+            replied()
+            return result
+
+    def _stored(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
+                durable: bool, asynchronous: bool, fields: dict[str, Any]) -> StoreResult:
+        request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
+                                  durable=durable, event_tokens=prompt.tokens,
+                                  asynchronous=asynchronous, first_page=prompt.first_page, **fields,
+                                  **_rows_fields(rows, self._packed),
+                                  checkpoints=[pb.Checkpoint(pages=n, slot=s)
+                                               for n, s in sorted(checkpoints.items())])
+        return store_from_proto(_rpc(lambda: self._stub.Store(request, **self._call)))
 
     @contextmanager
     def _ordered(self, given: Any, awaited: bool, asynchronous: bool
@@ -293,23 +338,32 @@ class _Remote:
         the stream waits on an event of its own that the daemon records after the copies
         (a wait for nothing if it never recorded it, but forever if it died with the
         record queued)."""
-        signals = self._signals
+        signals = self.signals
         if signals is None:
             with self._events.marked(given) as ready, self._events.awaited(awaited) as done:
                 yield {"ready_event": ready, "done_event": done}, lambda: None
             return
-        replied: list[bool] = []
         with signals.call(given) as call:
-            try:
-                yield {"signal": pb.Signal(slot=call.slot, value=call.value)}, lambda: replied.append(True)
-            except BaseException:
-                call.await_done()  # some of its copies may be queued: the word comes after them
-                if not replied:
-                    self._settle(pb.SettleRequest(worker_id=self._id, signal=pb.Signal(
-                        slot=call.slot, value=call.value)))
-                raise
+            with self._settled(call, awaited=False) as replied:
+                yield {"signal": pb.Signal(slot=call.slot, value=call.value)}, replied
             if asynchronous:
                 call.await_done()
+
+    @contextmanager
+    def _settled(self, call: Call, awaited: bool) -> Iterator[Callable[[], None]]:
+        """If the block raises, the call's stream waits on its done word (unless `awaited`
+        already: some of its copies may be queued, and the word comes after them), and a
+        call that got no reply (the block did not call what it was given) is settled."""
+        replied: list[bool] = []
+        try:
+            yield lambda: replied.append(True)
+        except BaseException:
+            if not awaited:
+                call.await_done()
+            if not replied:
+                self._settle(pb.SettleRequest(worker_id=self._id, signal=pb.Signal(
+                    slot=call.slot, value=call.value)))
+            raise
 
     def _settle(self, request: pb.SettleRequest) -> None:
         """Ask the daemon to settle a call whose reply did not come; until it answers, the
@@ -319,7 +373,7 @@ class _Remote:
             self._stub.Settle(request, **self._call)
         except Exception as error:  # grpc's errors, or its channel closed (ValueError)
             if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.NOT_FOUND:
-                self._signals.release_one(request.signal.slot, request.signal.value)
+                self.signals.release_one(request.signal.slot, request.signal.value)
             else:
                 with self._lock:
                     self._unsettled.append(request)
@@ -338,7 +392,7 @@ class _Remote:
         while not self._stream.done():
             self._settle_again()
             time.sleep(0.1)
-        signals, daemon = self._signals, self._daemon
+        signals, daemon = self.signals, self._daemon
         if signals is None or daemon is None:
             return
         pid, started = daemon
@@ -363,14 +417,14 @@ class _Remote:
         return not self._stream.done()  # the registration stream ends with the daemon
 
     def close(self) -> None:
-        if self._signals is not None and not self._stream.done():
+        if self.signals is not None and not self._stream.done():
             # the daemon releases the waits of a registration that ends: let this worker's
             # own work before them finish first (or its copies could run before it)
             torch.cuda.current_stream(self._device).synchronize()
         self._stream.cancel()  # ends the registration: the daemon unmaps the buffers
         if self._watcher.is_alive():  # its words released first, if the daemon died:
             self._watcher.join()  # freeing them waits for every stream that waits on them
-        for owned in (self._shared, self._signals):
+        for owned in (self._shared, self.signals):
             if owned is not None:
                 owned.close()
 
@@ -401,10 +455,47 @@ class Client:
 
     def register(self, model_id: str, layout: Layout, extra_keys: Sequence[str] = (),
                  hash_name: str = "xxh3_128", buffers: Mapping[str, torch.Tensor] | None = None,
-                 group: GroupMember | None = None) -> Worker:
+                 group: GroupMember | None = None, outbox_pages: int = 0,
+                 outbox_checkpoints: int = 1) -> Worker:
         """Register a worker. Without `buffers`, the layout's buffers are allocated in
         shared memory (worker.paged / worker.slots); GPU workers pass their CUDA tensors,
-        CPU workers views into a `shared_region`. With `group`, this is one rank of it."""
+        CPU workers views into a `shared_region`. With `group`, this is one rank of it.
+
+        A GPU worker may ask for an outbox of `outbox_pages` pages and `outbox_checkpoints`
+        checkpoints (tiercache/outbox.py, `Worker.post`): that much more GPU memory of its
+        own, and a second registration with the daemon."""
+        if outbox_pages and (buffers is None or not all(t.is_cuda for t in buffers.values())
+                             or group is not None):
+            raise InvalidArgument("an outbox is for a GPU worker that is not a group's rank: pass "
+                                  "CUDA buffers and no group, or outbox_pages=0")
+        worker = self._registered(model_id, layout, extra_keys, hash_name, buffers, group)
+        if outbox_pages:
+            try:
+                worker._outbox = self._outbox(worker, model_id, extra_keys, outbox_pages, outbox_checkpoints)
+            except BaseException:
+                worker.close()
+                raise
+        return worker
+
+    def _outbox(self, worker: Worker, model_id: str, extra_keys: Sequence[str], pages: int,
+                checkpoints: int) -> Outbox | None:
+        boxed = outbox_layout(worker.layout, pages, checkpoints)
+        tensors = {**worker.paged, **worker.slots}
+        buffers = allocate(boxed, next(iter(tensors.values())).device)
+        box = self._registered(model_id, boxed, extra_keys, worker.hash_name, buffers, None)
+        sender = box._backend
+        if not isinstance(sender, _Remote) or sender.signals is None:
+            box.close()
+            log.warning("no outbox: the daemon or this GPU's driver has no signal words "
+                        "(tiercache/signals.py); Worker.post stores as Worker.store does")
+            return None
+        if box.root != worker.root:  # the same identity, model and layout: never seen
+            box.close()
+            raise InvalidArgument("the outbox's registration landed in another namespace")
+        return Outbox(sender, worker.layout, tensors, buffers, boxed)
+
+    def _registered(self, model_id: str, layout: Layout, extra_keys: Sequence[str], hash_name: str,
+                    buffers: Mapping[str, torch.Tensor] | None, group: GroupMember | None) -> Worker:
         shared, device = None, None
         if buffers is not None and all(t.device.type == "cpu" for t in buffers.values()):
             tensors, locations = dict(buffers), region_locations(buffers, self._handover())

@@ -16,6 +16,10 @@ load brought the stored bytes.
 unanswered: calls that copy nothing (a miss, refusals by the daemon and by the client, a
 store of entries cached already); prints "ok" if the stream waits on none of them and a
 round trip after them is exact.
+posted: stores through an outbox (Worker.post) of rows of several widths, each followed at
+once by new writes to its rows, two at a time, one queued behind seconds of the worker's
+GPU work; prints "ok" if every entry holds the bytes from before, no post waited on the
+host, and a prompt larger than the outbox was stored as `store` does.
 slow: an asynchronous store queued behind 6 s of GPU work; prints "replied", ends when told.
 hold: stores one prompt, prints "stored", then waits to be killed.
 """
@@ -207,6 +211,56 @@ def unanswered(address: str, seed: int) -> None:
     worker.close()
 
 
+def posted(address: str, seed: int) -> None:
+    shape = Layout(16, paged=(*(BufferSpec(f"kv{i}", 4 * PAGES, (8192,), "bfloat16") for i in range(4)),
+                              *(BufferSpec(f"mla{i}", 4 * PAGES, (576,), "bfloat16") for i in range(2))),
+                   slots=(BufferSpec("recurrent", 4, (16, 64, 64), "float32"),
+                          BufferSpec("conv", 4, (1024, 3), "bfloat16")))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    tensors = {b.name: torch.randint(-2**15, 2**15, b.shape, dtype=torch.int16, device="cuda",
+                                     generator=gen).view(getattr(torch, b.dtype)) for b in shape.paged}
+    tensors.update({b.name: torch.randn(b.shape, device="cuda", generator=gen).to(getattr(torch, b.dtype))
+                    for b in shape.slots})
+    worker = Client(address).register("gpu-test", shape, buffers=tensors, outbox_pages=PAGES,
+                                      outbox_checkpoints=1)
+    problems = []
+    paged = [b.name for b in shape.paged]
+
+    def fill(n: int) -> None:  # rows 0..PAGES-1 and state slot 0, on the current stream
+        for name, t in tensors.items():
+            bits(t)[slice(0, PAGES) if name in paged else slice(0, 1)].fill_(n)
+    try:
+        worker.post(prompt(40), kv_rows=[0, 4 * PAGES], checkpoints={32: 0})
+        problems.append("a row out of range was posted")
+    except TiercacheError:
+        pass
+    futures = []
+    for n in range(1, 5):  # two posts before any answer: the second waits for the outbox on the GPU
+        fill(n)
+        if n == 3:
+            sleep_gpu(3)  # the worker's own work, queued before the post
+        began = time.monotonic()
+        futures.append(worker.post(prompt(40 + n), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0}))
+        if time.monotonic() - began > 1.0:
+            problems.append(f"post {n} waited {time.monotonic() - began:.1f} s on the host")
+        fill(0xEE)  # written again at once, in stream order: after the copy into the outbox
+        if n % 2 == 0:
+            results = [f.result(timeout=60) for f in futures]
+            futures.clear()
+            problems += [f"post stored {r.stored}" for r in results if r.stored != PAGES + 1]
+    for n in range(1, 5):
+        result = worker.load(prompt(40 + n), kv_rows=range(2 * PAGES, 3 * PAGES), slot=2)
+        exact = result.match.pages == PAGES and all(
+            bool((bits(t)[slice(2 * PAGES, 3 * PAGES) if name in paged else slice(2, 3)] == n).all())
+            for name, t in tensors.items())
+        problems += [] if exact else [f"prompt {n}: pages {result.match.pages}, bytes not the posted ones"]
+    large = np.random.default_rng(600).integers(0, 150_000, 2 * PAGES * 16).tolist()
+    stored = worker.post(large, kv_rows=range(2 * PAGES), checkpoints={2 * PAGES * 16: 1})
+    problems += [] if stored.done() and stored.result().stored == 2 * PAGES + 1 else ["the large post"]
+    worker.close()
+    print("ok" if not problems else f"bad: {problems}", flush=True)
+
+
 def slow(address: str, seed: int) -> None:
     """An asynchronous store whose copies wait behind seconds of this worker's GPU work:
     prints "replied" at once, and ends when told to."""
@@ -255,5 +309,7 @@ if __name__ == "__main__":
         unanswered(address, seed)
     elif mode == "slow":
         slow(address, seed)
+    elif mode == "posted":
+        posted(address, seed)
     else:
         hold(address, seed)
