@@ -82,8 +82,8 @@ class _Copy:
         self.table = kernels.BufferTable.of(sources, [t.data_ptr() for t in targets], device)
         self.steps = torch.arange(targets[0].shape[0], dtype=torch.int64, device=device) * width
 
-    def __call__(self, rows: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        self._launch(self.table, rows, self.steps[:len(rows)], to_slots=True, stream=stream)
+    def __call__(self, rows: torch.Tensor) -> None:  # on the current stream
+        self._launch(self.table, rows, self.steps[:len(rows)], to_slots=True)
 
 
 def _copies(sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor],
@@ -125,14 +125,16 @@ class Outbox:
         order = sorted(checkpoints)
         ids = np.concatenate([rows, np.array([checkpoints[p] for p in order], np.int64)])
         stream = torch.cuda.current_stream(self.device)
-        with self._lock:  # one call's stream work at a time: the next waits for this one's word
+        with self._lock, torch.cuda.stream(stream):  # one call at a time: the next waits for its word
             if self._free is not None:
                 stream.wait_event(self._free)  # the daemon has copied the last call's out
-            on_device = torch.from_numpy(ids).pin_memory().to(self.device, non_blocking=True)
+            # from pageable memory: the driver stages these few KiB before it returns, in
+            # stream order, without waiting for the stream (page-locking them: 0.3-0.45 ms)
+            on_device = torch.from_numpy(ids).to(self.device, non_blocking=True)
             for copy in self._paged:
-                copy(on_device[:len(rows)], stream)
+                copy(on_device[:len(rows)])
             for copy in self._slots:
-                copy(on_device[len(rows):], stream)
+                copy(on_device[len(rows):])
             self._side.wait_event(stream.record_event())
             with torch.cuda.stream(self._side), self._sender.signals.call() as call:
                 call.await_done()
