@@ -151,8 +151,9 @@ class Worker:
         here); checkpoint positions still count from the start. Start at the hit's last
         page (hit - 1): that entry is cached already, and it anchors the new ones (their
         parent in KV events, the checkpoint their worth is counted from)."""
-        request, rows, pages = self._stored(tokens, keys, kv_rows, checkpoints, publish_tokens, first_page)
-        return self._backend.store(request, rows, pages, durable, ready, synchronous)
+        pages = self._checkpoint_pages(checkpoints)
+        request = self._store_request(tokens, keys, publish_tokens, first_page)
+        return self._backend.store(request, _row_array(kv_rows), pages, durable, ready, synchronous)
 
     def post(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
              checkpoints: Mapping[int, int] | None = None, publish_tokens: bool = False,
@@ -164,34 +165,38 @@ class Worker:
         of the outbox's. The future holds its StoreResult, or its error; calls made after
         it is done see the entries. Without an outbox, or for a prompt it cannot hold,
         this is `store`, its result in a future that is done."""
-        request, rows, pages = self._stored(tokens, keys, kv_rows, checkpoints, publish_tokens, first_page)
+        pages, rows = self._checkpoint_pages(checkpoints), _row_array(kv_rows)
+        if (tokens is None) == (keys is None):
+            raise InvalidArgument("give either tokens or keys")
+        request = lambda: self._store_request(tokens, keys, publish_tokens, first_page)  # noqa: E731
         if self._outbox is not None and self._outbox.fits(rows, pages):
-            return self._outbox.post(request, rows, pages)
+            return self._outbox.post(request, rows, pages)  # the request packed behind the copy
         done: Future[StoreResult] = Future()
-        done.set_result(self._backend.store(request, rows, pages, False))
+        done.set_result(self._backend.store(request(), rows, pages, False))
         return done
 
-    def _stored(self, tokens: Any, keys: Keys | Chain | None, kv_rows: Sequence[int],
-                checkpoints: Mapping[int, int] | None, publish_tokens: bool, first_page: int
-                ) -> tuple[Request, np.ndarray, dict[int, int]]:
-        """A store's request, rows and checkpoints {page: state slot}."""
+    def _checkpoint_pages(self, checkpoints: Mapping[int, int] | None) -> dict[int, int]:
+        """A store's checkpoints {token position: state slot} as {page: state slot}."""
         page = self.layout.page_tokens
         bad = [p for p in (checkpoints or {}) if p <= 0 or p % page]
         if bad:
             raise InvalidArgument(f"checkpoint position {bad[0]} is not a positive multiple of the "
                                   f"page size {page}: states are kept at page boundaries only")
-        pages = {p // page: slot for p, slot in (checkpoints or {}).items()}
+        return {p // page: slot for p, slot in (checkpoints or {}).items()}
+
+    def _store_request(self, tokens: Any, keys: Keys | Chain | None, publish_tokens: bool,
+                       first_page: int) -> Request:
         request = self._packed(tokens, keys)
         if publish_tokens:
             if tokens is None:
                 raise InvalidArgument("publish_tokens needs the tokens: store by tokens, not keys")
-            whole = token_array(tokens)[:len(request.keys) // 16 * page]
+            whole = token_array(tokens)[:len(request.keys) // 16 * self.layout.page_tokens]
             request = replace(request, tokens=whole.tobytes())
         if first_page:
-            cut = first_page if tokens is not None else 0
+            cut, page = first_page if tokens is not None else 0, self.layout.page_tokens
             request = replace(request, keys=request.keys[16 * cut:], checks=request.checks[8 * cut:],
                               tokens=request.tokens[4 * page * cut:], first_page=first_page)
-        return request, _row_array(kv_rows), pages
+        return request
 
     def evict(self, tokens: Any = None, *, keys: Keys | Chain | None = None,
               tier: Tier | None = None) -> int:

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 import torch
 
 from tiercache.buffers import byte_rows
-from tiercache.errors import InvalidArgument
+from tiercache.errors import FailedPrecondition, InvalidArgument
 from tiercache.layout import BufferSpec, Layout
 from tiercache.results import StoreResult
 from tiercache.signals import Call, WorkerSignals
@@ -114,18 +114,23 @@ class Outbox:
         self._free: torch.cuda.Event | None = None  # the last call's done word reached
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tiercache-outbox")
+        self._closed = False
 
     def fits(self, rows: np.ndarray, checkpoints: Mapping[int, int]) -> bool:
         return len(rows) <= self.pages and len(checkpoints) <= self.checkpoints
 
-    def post(self, prompt: Any, rows: np.ndarray, checkpoints: Mapping[int, int]) -> Future[StoreResult]:
+    def post(self, request: Callable[[], Any], rows: np.ndarray, checkpoints: Mapping[int, int]
+             ) -> Future[StoreResult]:
         """Copy `rows` and the checkpoints' slots in on the current stream, then send the
-        store: its future holds the daemon's reply (or its error)."""
+        store (`request()` packs it, while the GPU copies): its future holds the daemon's
+        reply (or its error)."""
         self._check(rows, checkpoints)
         order = sorted(checkpoints)
         ids = np.concatenate([rows, np.array([checkpoints[p] for p in order], np.int64)])
         stream = torch.cuda.current_stream(self.device)
         with self._lock, torch.cuda.stream(stream):  # one call at a time: the next waits for its word
+            if self._closed:
+                raise FailedPrecondition("this worker is closed: register again to store")
             if self._free is not None:
                 stream.wait_event(self._free)  # the daemon has copied the last call's out
             # from pageable memory: the driver stages these few KiB before it returns, in
@@ -135,6 +140,11 @@ class Outbox:
                 copy(on_device[:len(rows)])
             for copy in self._slots:
                 copy(on_device[len(rows):])
+            try:
+                prompt = request()
+            except BaseException:
+                self._free = stream.record_event()  # the copy in, that no call reads
+                raise
             self._side.wait_event(stream.record_event())
             with torch.cuda.stream(self._side), self._sender.signals.call() as call:
                 call.await_done()
@@ -154,5 +164,7 @@ class Outbox:
 
     def close(self) -> None:
         """Wait for the calls sent, then end the outbox's registration."""
+        with self._lock:
+            self._closed = True
         self._thread.shutdown(wait=True)
         self._sender.close()

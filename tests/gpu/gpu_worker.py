@@ -19,7 +19,8 @@ round trip after them is exact.
 posted: stores through an outbox (Worker.post) of rows of several widths, each followed at
 once by new writes to its rows, two at a time, one queued behind seconds of the worker's
 GPU work; prints "ok" if every entry holds the bytes from before, no post waited on the
-host, and a prompt larger than the outbox was stored as `store` does.
+host, a prompt larger than the outbox was stored as `store` does, and bad posts (and any
+post once the worker is closed) were refused.
 slow: an asynchronous store queued behind 6 s of GPU work; prints "replied", ends when told.
 hold: stores one prompt, prints "stored", then waits to be killed.
 """
@@ -229,11 +230,16 @@ def posted(address: str, seed: int) -> None:
     def fill(n: int) -> None:  # rows 0..PAGES-1 and state slot 0, on the current stream
         for name, t in tensors.items():
             bits(t)[slice(0, PAGES) if name in paged else slice(0, 1)].fill_(n)
-    try:
-        worker.post(prompt(40), kv_rows=[0, 4 * PAGES], checkpoints={32: 0})
-        problems.append("a row out of range was posted")
-    except TiercacheError:
-        pass
+    refusals = {"a row out of range": lambda: worker.post(prompt(40), kv_rows=[0, 4 * PAGES]),
+                # refused once its rows were copied in: the next post still waits for that copy
+                "tokens to publish without tokens": lambda: worker.post(
+                    keys=worker.keys(prompt(40)), kv_rows=range(PAGES), publish_tokens=True)}
+    for what, call in refusals.items():
+        try:
+            call()
+            problems.append(f"{what} was posted")
+        except TiercacheError:
+            pass
     futures = []
     for n in range(1, 5):  # two posts before any answer: the second waits for the outbox on the GPU
         fill(n)
@@ -258,6 +264,11 @@ def posted(address: str, seed: int) -> None:
     stored = worker.post(large, kv_rows=range(2 * PAGES), checkpoints={2 * PAGES * 16: 1})
     problems += [] if stored.done() and stored.result().stored == 2 * PAGES + 1 else ["the large post"]
     worker.close()
+    try:
+        worker.post(prompt(41), kv_rows=range(PAGES))
+        problems.append("a closed worker posted")
+    except TiercacheError:
+        pass
     print("ok" if not problems else f"bad: {problems}", flush=True)
 
 
