@@ -348,6 +348,7 @@ class _Remote:
             with self._events.marked(given) as ready, self._events.awaited(awaited) as done:
                 yield {"ready_event": ready, "done_event": done}, lambda: None
             return
+        self.check_registered()
         with signals.call(given) as call:
             with self._settled(call, awaited=False) as replied:
                 yield {"signal": pb.Signal(slot=call.slot, value=call.value)}, replied
@@ -370,18 +371,33 @@ class _Remote:
                     slot=call.slot, value=call.value)))
             raise
 
+    def check_registered(self) -> None:
+        """Raise if the registration has ended: a call would take a signal word that, with
+        the daemon gone, no one might write (the watch thread may have ended)."""
+        if self._stream.done():
+            raise Unavailable("this worker's registration has ended (the daemon went away or "
+                              "closed it): register again")
+
     def _settle(self, request: pb.SettleRequest) -> None:
         """Ask the daemon to settle a call whose reply did not come; until it answers, the
         call is asked again (`_watch`). A daemon that no longer holds this registration
-        has none of its copies queued, nor ever will: the worker writes the word itself."""
+        has none of its copies queued, nor ever will: the worker writes the word itself,
+        as it does once the daemon's process is gone."""
         try:
             self._stub.Settle(request, **self._call)
         except Exception as error:  # grpc's errors, or its channel closed (ValueError)
             if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.NOT_FOUND:
                 self.signals.release_one(request.signal.slot, request.signal.value)
+            elif not self._watcher.is_alive() and self._daemon_gone():
+                self.signals.release_one(request.signal.slot, request.signal.value)
             else:
                 with self._lock:
                     self._unsettled.append(request)
+
+    def _daemon_gone(self) -> bool:
+        """Whether the daemon's process is known to have ended (never, where this process
+        cannot see it)."""
+        return self._daemon is not None and process_started(self._daemon[0]) != self._daemon[1]
 
     def _settle_again(self) -> None:
         with self._lock:
@@ -400,8 +416,7 @@ class _Remote:
         signals, daemon = self.signals, self._daemon
         if signals is None or daemon is None:
             return
-        pid, started = daemon
-        while process_started(pid) == started:
+        while not self._daemon_gone():
             self._settle_again()
             if not signals.waiting():
                 return
@@ -412,7 +427,7 @@ class _Remote:
         if released:
             log.warning("the daemon (pid %d) died with the copies of %d calls of this worker "
                         "queued: their waits are released; the rows of those loads hold what "
-                        "they held before, and their stores were not kept", pid, released)
+                        "they held before, and their stores were not kept", daemon[0], released)
 
     def evict(self, prompt: Request, tier: Tier | None) -> int:
         request = pb.EvictRequest(worker_id=self._id, keys=prompt.keys, tier=int(tier or 0))

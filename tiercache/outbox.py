@@ -42,6 +42,7 @@ class Sender(Protocol):
 
     def store_signalled(self, prompt: Any, rows: np.ndarray, checkpoints: Mapping[int, int],
                         call: Call) -> StoreResult: ...
+    def check_registered(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -131,6 +132,7 @@ class Outbox:
         with self._lock, torch.cuda.stream(stream):  # one call at a time: the next waits for its word
             if self._closed:
                 raise FailedPrecondition("this worker is closed: register again to store")
+            self._sender.check_registered()
             if self._free is not None:
                 stream.wait_event(self._free)  # the daemon has copied the last call's out
             # from pageable memory: the driver stages these few KiB before it returns, in

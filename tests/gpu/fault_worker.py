@@ -6,6 +6,7 @@
     python -m tests.gpu.fault_worker ahead ADDRESS SEED       # a load behind seconds of GPU work
     python -m tests.gpu.fault_worker lost ADDRESS SEED        # a load whose reply comes too late
     python -m tests.gpu.fault_worker stuck ADDRESS SEED       # async calls queued, then killed
+    python -m tests.gpu.fault_worker posted ADDRESS SEED      # a post queued, then the daemon killed
 
 `load`: stores one prompt, prints "stored", starts a load into other rows, prints
 "loading" and waits in it (the daemon holds loads in a failpoint) until the test kills
@@ -24,7 +25,11 @@ once on its stream, and prints "own rows" if they hold its writes once the daemo
 copies are done (its stream waited for them), else "bad ...". `stuck`: stores one prompt,
 queues 30 s of GPU work, then an asynchronous load of that prompt and an asynchronous
 store of another, both replied with their copies waiting behind that work; prints
-"queued" and waits for the test to kill it.
+"queued" and waits for the test to kill it. `posted`: a post through an outbox whose copies
+wait behind seconds of GPU work; prints "posted" once the daemon replied; the test kills the
+daemon and says go on; then a second post, which must be refused, and the stream and
+`close` must end (each within 60 s): prints "refused", "stream done" and "closed", or what
+went wrong.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import time
 import torch
 
 from tests.gpu.gpu_worker import PAGES, bits, layout, prompt, register, sleep_gpu
+from tiercache.client import Client
 from tiercache.errors import DeadlineExceeded, TiercacheError
 
 ROWS = list(range(PAGES, 2 * PAGES))
@@ -140,7 +146,30 @@ def stuck(address: str, seed: int) -> None:
     sys.stdin.readline()
 
 
+def posted(address: str, seed: int) -> None:
+    shape = layout(1 << 16, 4, rows=2 * PAGES)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    tensors = {b.name: torch.randint(-2**15, 2**15, b.shape, dtype=torch.int16, device="cuda",
+                                     generator=gen).view(torch.bfloat16) for b in shape.paged}
+    tensors["state"] = torch.randn(shape.slots[0].shape, device="cuda", generator=gen)
+    worker = Client(address).register("gpu-test", shape, buffers=tensors, outbox_pages=PAGES)
+    torch.cuda._sleep(10_000_000_000)  # seconds of GPU time ahead of the copy in
+    first = worker.post(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
+    print(f"posted {first.result(timeout=60).stored}", flush=True)  # its copies still queued
+    sys.stdin.readline()  # the test kills the daemon, then says go on
+    time.sleep(1)
+    try:
+        worker.post(prompt(1), kv_rows=range(PAGES)).result(timeout=60)
+        print("bad: a post after the daemon died was stored", flush=True)
+    except TiercacheError as error:
+        print(f"refused: {type(error).__name__}", flush=True)
+    for what, step in (("stream done", torch.cuda.current_stream().synchronize), ("closed", worker.close)):
+        ended = threading.Event()
+        threading.Thread(target=lambda: (step(), ended.set()), daemon=True).start()
+        print(what if ended.wait(60) else f"bad: {what} hung", flush=True)
+
+
 if __name__ == "__main__":
     mode, address, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     {"load": load, "recompute": recompute, "replied": replied, "ahead": ahead,
-     "lost": lost, "stuck": stuck}[mode](address, seed)
+     "lost": lost, "stuck": stuck, "posted": posted}[mode](address, seed)

@@ -97,6 +97,19 @@ def test_a_daemon_killed_after_an_async_load_replied_does_not_hang_the_worker(tm
         assert "stream done" in out, out
 
 
+def test_a_daemon_killed_with_a_posts_copies_queued_leaves_the_workers_stream_and_close_free(tmp_path):
+    # the outbox's side stream waits on the post's done word, and the next post's copy in
+    # waits for that: the client writes the word once the daemon's process is gone; a
+    # post after that is refused before it takes a word no one would write
+    with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, daemon):
+        posting = worker("posted", address, "5")
+        wait_for(posting, "posted")
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait()
+        out, _ = posting.communicate("go\n", timeout=240)
+        assert "refused" in out and "stream done" in out and "closed" in out and "bad" not in out, out
+
+
 def test_a_worker_killed_with_its_copies_queued_does_not_hang_the_daemon(tmp_path, monkeypatch):
     # A worker's asynchronous load and store replied with their copies waiting behind 30 s
     # of its GPU work; then it was killed, that work (and its ready signals) never to run.
