@@ -43,7 +43,7 @@ import grpc
 import numpy as np
 import torch
 
-from tiercache.buffers import WorkerBuffers, int_ids
+from tiercache.buffers import WorkerBuffers, device_buffers, int_ids
 from tiercache.channel import DEFAULT_ADDRESS, Tls, connect  # noqa: F401 (the API names both here too)
 from tiercache.cuda_ipc import OpenedEvents  # cuda-bindings only once a buffer is exported
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
@@ -52,7 +52,7 @@ from tiercache.hashing import (Chain, Keys, Namespace, PageKey, key_array, page_
                                token_array)
 from tiercache.results import CacheStats, LoadResult, Match, StoreResult, Tier
 from tiercache.layout import Layout
-from tiercache.outbox import Outbox, allocate, outbox_layout
+from tiercache.outbox import Outbox, outbox_layout
 from tiercache.regions import SharedRegion, region_locations
 from tiercache.shm import SharedBuffers
 from tiercache.signals import Call, WorkerSignals, process_started
@@ -501,7 +501,7 @@ class Client:
                 checkpoints: int) -> Outbox | None:
         boxed = outbox_layout(worker.layout, pages, checkpoints)
         tensors = {**worker.paged, **worker.slots}
-        buffers = allocate(boxed, next(iter(tensors.values())).device)
+        buffers = device_buffers(boxed, next(iter(tensors.values())).device)
         box = self._registered(model_id, boxed, extra_keys, worker.hash_name, buffers, None)
         sender = box._backend
         if not isinstance(sender, _Remote) or sender.signals is None:

@@ -32,7 +32,6 @@ from tiercache.layout import BufferSpec, Layout
 from tiercache.results import StoreResult
 from tiercache.signals import Call, WorkerSignals
 
-ALIGN = 512  # bytes between the outbox's buffers in its one allocation
 
 
 class Sender(Protocol):
@@ -56,19 +55,6 @@ def outbox_layout(layout: Layout, pages: int, checkpoints: int) -> Layout:
                                         for b in specs)
     return Layout(layout.page_tokens, resized(layout.paged, pages), resized(layout.slots, checkpoints),
                   layout.tp_rank, layout.tp_size, layout.model)
-
-
-def allocate(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
-    """The outbox's buffers, by name: views into one allocation of the device's (the daemon
-    maps one CUDA allocation for all of them)."""
-    specs = (*layout.paged, *layout.slots)
-    offsets, end = [], 0
-    for b in specs:
-        offsets.append(end)
-        end += -(-b.rows * b.row_bytes // ALIGN) * ALIGN
-    memory = torch.empty(end, dtype=torch.uint8, device=device)
-    return {b.name: memory[at:at + b.rows * b.row_bytes].view(getattr(torch, b.dtype)).view(b.shape)
-            for b, at in zip(specs, offsets)}
 
 
 class _Copy:

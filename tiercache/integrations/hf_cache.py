@@ -216,16 +216,3 @@ class Staging:
             getattr(layer, f"{s.kind}_states")[s.index].copy_(state)
             layer.has_previous_state[s.index] = True  # the next pass continues these states
 
-
-def device_buffers(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every buffer of `layout` carved out of one allocation on `device`: a CUDA IPC handle
-    exposes the whole allocation it names, so the daemon sees these rows and nothing else."""
-    align = 512  # keeps every view aligned for any dtype and for vectorised copies
-    specs = (*layout.paged, *layout.slots)
-    offsets, total = [], 0
-    for spec in specs:
-        offsets.append(total)
-        total += -(-spec.rows * spec.row_bytes // align) * align
-    block = torch.zeros(total, dtype=torch.uint8, device=device)
-    return {spec.name: block[at:at + spec.rows * spec.row_bytes].view(getattr(torch, spec.dtype))
-            .view(spec.shape) for spec, at in zip(specs, offsets)}

@@ -55,8 +55,8 @@ from tiercache.hashing import Keys, PageKey
 from tiercache.integrations import placement
 from tiercache.integrations.capture import Capture, CaptureFailed
 from tiercache.results import Match, StopReason
-from tiercache.integrations.hf_cache import (
-    Cache, CacheSpec, DynamicCache, Staging, UnsupportedCache, device_buffers)
+from tiercache.buffers import device_buffers
+from tiercache.integrations.hf_cache import Cache, CacheSpec, DynamicCache, Staging, UnsupportedCache
 from tiercache.integrations.stores import StoreQueue
 from tiercache.layout import Layout
 
