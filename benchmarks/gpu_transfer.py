@@ -184,7 +184,7 @@ def prefix_32k(address: str) -> dict[str, float]:
         posted.append(worker.post(keys=keys, kv_rows=src, checkpoints={32768: 0}))
         torch.cuda.current_stream().synchronize()
 
-    def post_replied():  # until the daemon's reply: the entries are stored
+    def post_replied():  # until the daemon's reply (its copies queued)
         assert worker.post(keys=keys, kv_rows=src, checkpoints={32768: 0}).result().stored == pages + 1
 
     def answered() -> None:  # the last posts' replies, untimed, then a daemon that holds nothing

@@ -2,7 +2,7 @@
 
 A store through the daemon frees the worker's rows only once the call has reached the
 daemon and its copies ran: the way in, the daemon's bookkeeping, then the copy (on an
-H100 a 32k-token store took 6-7 times a device-to-device copy of its bytes, RESULTS.md).
+H100 a 32k-token store took 6-9 times a device-to-device copy of its bytes, RESULTS.md).
 With an outbox, the worker first copies the rows into buffers of its own (one launch on
 its current stream, the same kernel the daemon uses; a device-to-device copy of the same
 bytes), and the daemon stores from there. The rows may be written again as soon as that
@@ -31,7 +31,6 @@ from tiercache.errors import FailedPrecondition, InvalidArgument
 from tiercache.layout import BufferSpec, Layout
 from tiercache.results import StoreResult
 from tiercache.signals import Call, WorkerSignals
-
 
 
 class Sender(Protocol):
