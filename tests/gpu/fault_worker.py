@@ -41,7 +41,6 @@ import time
 import torch
 
 from tests.gpu.gpu_worker import PAGES, bits, layout, prompt, register, sleep_gpu
-from tiercache.client import Client
 from tiercache.errors import DeadlineExceeded, TiercacheError
 
 ROWS = list(range(PAGES, 2 * PAGES))
@@ -147,12 +146,7 @@ def stuck(address: str, seed: int) -> None:
 
 
 def posted(address: str, seed: int) -> None:
-    shape = layout(1 << 16, 4, rows=2 * PAGES)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    tensors = {b.name: torch.randint(-2**15, 2**15, b.shape, dtype=torch.int16, device="cuda",
-                                     generator=gen).view(torch.bfloat16) for b in shape.paged}
-    tensors["state"] = torch.randn(shape.slots[0].shape, device="cuda", generator=gen)
-    worker = Client(address).register("gpu-test", shape, buffers=tensors, outbox_pages=PAGES)
+    worker, _ = register(address, layout(1 << 16, 4, rows=2 * PAGES), seed, outbox_pages=PAGES)
     torch.cuda._sleep(10_000_000_000)  # seconds of GPU time ahead of the copy in
     first = worker.post(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
     print(f"posted {first.result(timeout=60).stored}", flush=True)  # its copies still queued

@@ -47,12 +47,15 @@ def layout(row_bytes: int, buffers: int, rows: int) -> Layout:
                   slots=(BufferSpec("state", 8, (row_bytes // 4,), "float32"),))
 
 
-def register(address: str, shape: Layout, seed: int, timeout: float = 30.0):
+def register(address: str, shape: Layout, seed: int, timeout: float = 30.0, **options):
+    """A worker of `layout`'s shape with buffers filled from `seed`; `options` go to
+    Client.register (an outbox)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     tensors = {b.name: torch.randint(-2**15, 2**15, b.shape, dtype=torch.int16, device="cuda",
                                      generator=gen).view(torch.bfloat16) for b in shape.paged}
     tensors["state"] = torch.randn(shape.slots[0].shape, device="cuda", generator=gen)
-    return Client(address, timeout=timeout).register("gpu-test", shape, buffers=tensors), tensors
+    worker = Client(address, timeout=timeout).register("gpu-test", shape, buffers=tensors, **options)
+    return worker, tensors
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -308,19 +311,6 @@ if __name__ == "__main__":
     mode, address, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "roundtrip":
         roundtrip(address, seed, *map(int, sys.argv[4:7]))
-    elif mode == "stream":
-        stream(address, seed)
-    elif mode == "ordered":
-        ordered(address, seed)
-    elif mode == "reuse":
-        reuse(address, seed)
-    elif mode == "behind":
-        behind(address, seed)
-    elif mode == "unanswered":
-        unanswered(address, seed)
-    elif mode == "slow":
-        slow(address, seed)
-    elif mode == "posted":
-        posted(address, seed)
     else:
-        hold(address, seed)
+        {"stream": stream, "ordered": ordered, "reuse": reuse, "behind": behind,
+         "unanswered": unanswered, "slow": slow, "posted": posted}.get(mode, hold)(address, seed)

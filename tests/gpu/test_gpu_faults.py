@@ -37,6 +37,17 @@ def wait_for(process: subprocess.Popen, word: str) -> str:
             return line.strip()
 
 
+def daemon_killed_after(tmp_path, mode: str, seed: str, timeout: float) -> str:
+    """Run a worker of `mode` until it prints its mode's word (its call replied with the
+    copies still queued), SIGKILL the daemon, tell the worker to go on; its output."""
+    with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, daemon):
+        process = worker(mode, address, seed)
+        wait_for(process, mode)
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait()
+        return process.communicate("go\n", timeout=timeout)[0]
+
+
 def until(condition, seconds: float = 30) -> bool:
     deadline = time.time() + seconds
     while not condition() and time.time() < deadline:
@@ -87,27 +98,17 @@ def test_a_daemon_killed_after_an_async_load_replied_does_not_hang_the_worker(tm
     # itself. (With an interprocess event in its place the stream waited forever: H100,
     # 2026-11-27.) Whether the bytes arrived is printed, not asserted: after a daemon
     # crash, a load that had already replied cannot be trusted (README, "Failures").
-    with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, daemon):
-        waiting = worker("replied", address, "4")
-        wait_for(waiting, "replied")
-        daemon.send_signal(signal.SIGKILL)
-        daemon.wait()
-        out, _ = waiting.communicate("go\n", timeout=180)
-        print(out)
-        assert "stream done" in out, out
+    out = daemon_killed_after(tmp_path, "replied", "4", timeout=180)
+    print(out)
+    assert "stream done" in out, out
 
 
 def test_a_daemon_killed_with_a_posts_copies_queued_leaves_the_workers_stream_and_close_free(tmp_path):
     # the outbox's side stream waits on the post's done word, and the next post's copy in
     # waits for that: the client writes the word once the daemon's process is gone; a
     # post after that is refused before it takes a word no one would write
-    with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, daemon):
-        posting = worker("posted", address, "5")
-        wait_for(posting, "posted")
-        daemon.send_signal(signal.SIGKILL)
-        daemon.wait()
-        out, _ = posting.communicate("go\n", timeout=240)
-        assert "refused" in out and "stream done" in out and "closed" in out and "bad" not in out, out
+    out = daemon_killed_after(tmp_path, "posted", "5", timeout=240)
+    assert "refused" in out and "stream done" in out and "closed" in out and "bad" not in out, out
 
 
 def test_a_worker_killed_with_its_copies_queued_does_not_hang_the_daemon(tmp_path, monkeypatch):
