@@ -24,6 +24,10 @@ it is idle) and from the host tier, beside a device-to-device copy and a bulk pi
 and the floor of a call through gRPC against which the device-tier figures stand: an empty
 RPC (the health check) on the same daemon plus the device-to-device copy.
 
+With --daemon-cpus N, the daemons run as `--cpus <the first N CPUs> --spin` and this
+process (the worker) on the other CPUs: the daemon's threads stay on a few CPUs that never
+idle (service/cpus.py). Without it, both run wherever the scheduler puts them.
+
 With --profile, first: where stores and loads of 512 MiB and of the 32k prefix go, step
 by step (tiercache/trace.py: the daemon synchronises with the GPU around each step of a
 traced call; a second table without synchronising), beside the worker's wall time of the
@@ -43,7 +47,8 @@ import os
 import tempfile
 import time
 
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -51,6 +56,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.common import best_seconds, median_seconds, print_summary, print_table
+from tiercache_service import cpus
 from tiercache_service.process import spawn
 from tiercache.client import Client, Worker
 from tiercache.results import Tier
@@ -90,6 +96,25 @@ def per_row_loop(buffers, rows, host) -> tuple[float, float]:
                 buffer[r].copy_(host[n, b * width:(b + 1) * width], non_blocking=True)
         torch.cuda.current_stream().synchronize()
     return median_seconds(load, repeat=3), median_seconds(store, repeat=3)
+
+
+@contextmanager
+def daemon(placed: int, *flags: str) -> Iterator[str]:
+    """A daemon with `flags`, its address; with `placed` N > 0, the daemon's threads on the
+    first N of this process's CPUs, kept out of idle, and this process's on the others. Its
+    output goes on to stderr: a daemon whose pipe is full would block."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if not 0 <= placed < len(allowed):
+        raise SystemExit(f"--daemon-cpus {placed}: this process has {len(allowed)} CPUs; leave the "
+                         "worker at least one")
+    own = (("--cpus", ",".join(map(str, allowed[:placed])), "--spin") if placed else ())
+    with spawn(tempfile.mkdtemp(prefix="tiercache-bench-"), *flags, *own, forward_output=True) as (address, _):
+        if placed:
+            cpus.pin(frozenset(allowed[placed:]))
+        try:
+            yield address
+        finally:
+            cpus.pin(frozenset(allowed))
 
 
 def rows_layout(pages: int, row_bytes: int) -> Layout:
@@ -512,13 +537,13 @@ def print_copy_alone() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--profile", action="store_true", help="also the per-step breakdown")
+    parser.add_argument("--daemon-cpus", type=int, default=0, metavar="N",
+                        help="the daemons on the first N CPUs, kept out of idle; this process on the rest")
     args = parser.parse_args()
     if args.profile:
         print_profile()
     rows, summary = [], {}
-    # the daemons' output goes on to stderr: a daemon whose pipe is full would block
-    with spawn(tempfile.mkdtemp(prefix="tiercache-bench-"), "--host-budget", "3GiB",
-               "--device-budget", "0", "--no-disk", forward_output=True) as (address, _):
+    with daemon(args.daemon_cpus, "--host-budget", "3GiB", "--device-budget", "0", "--no-disk") as address:
         for row_bytes in (4096, 16384, 65536, 1 << 20):
             load_s, waited_s, store_s, naive_load, naive_store = ours(address, row_bytes)
             # the peer right beside each row size (once at the start, it ran while the
@@ -531,8 +556,7 @@ def main() -> None:
             summary[f"load_vs_bulk_{label}"] = h2d / load_s
             summary[f"load_waited_vs_bulk_{label}"] = h2d / waited_s
             summary[f"store_vs_bulk_{label}"] = d2h / store_s
-    with spawn(tempfile.mkdtemp(prefix="tiercache-bench-"), "--host-budget", "4GiB",
-               "--device-budget", "4GiB", "--no-disk", forward_output=True) as (address, _):
+    with daemon(args.daemon_cpus, "--host-budget", "4GiB", "--device-budget", "4GiB", "--no-disk") as address:
         summary.update(prefix_32k(address))
     print_table(f"{TOTAL // MiB} MiB of scattered rows, {BUFFERS} buffers, worker <-> daemon host tier",
                 ["rows", "load GB/s", "waited", "per-row", "bulk h2d", "ratio", "store GB/s", "per-row",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from tiercache_service import tls
+from tiercache_service.cpus import parse as parse_cpus
 from tiercache_service.kv_events import KvEventsConfig
 from tiercache_service.settings import BYTES, SECONDS, Setting, Source, declared, parse_bytes, setting
 from tiercache.engine import EngineConfig
@@ -69,6 +70,10 @@ class ServiceConfig:
                                        "registration", BYTES, positive=True)
     grace_seconds: float = setting(10.0, "for calls in flight at shutdown", SECONDS)
     flush_on_exit: bool = setting(True, "write host entries to disk when stopping")
+    cpus: str = setting("", "CPUs the daemon's threads run on, e.g. 0-3 (keep them apart from the "
+                            "workers'); \"\": any")
+    spin: bool = setting(False, "keep the cpus out of idle: a busy thread of the lowest priority on "
+                                "each (their power, always; calls skip waking an idle CPU)")
     # who may call, and how (service/auth.py, service/tls.py, tiercache/tenancy.py)
     tenants_file: str = setting("", "TOML naming tenants, their tokens and certificate names "
                                     "(README: Tenants); \"\": one tenant")
@@ -158,6 +163,10 @@ class ServiceConfig:
             if getattr(self, name):
                 host_port(getattr(self, name), name)
         self.kv_events_config()
+        if self.cpus:
+            parse_cpus(self.cpus)
+        elif self.spin:
+            raise InvalidArgument("spin needs cpus: name the CPUs to keep out of idle, e.g. --cpus 0-3")
         return self
 
 

@@ -24,7 +24,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tiercache_service import tls
+from tiercache_service import cpus, tls
 from tiercache_service.auth import Authenticator, load_tenants
 from tiercache_service.config import ServiceConfig
 from tiercache_service.endpoints import Endpoints
@@ -63,6 +63,7 @@ class Daemon:
     handover: Handover
     endpoints: Endpoints = field(default_factory=Endpoints)  # metrics, health-only listener
     publisher: KvEventPublisher | None = None  # KV events for routers, if on
+    spinners: cpus.Spinners | None = None  # the busy threads that keep the daemon's CPUs awake
 
     def stop(self) -> None:
         self.health.enter_graceful_shutdown()  # every service NOT_SERVING, from now on
@@ -83,6 +84,8 @@ class Daemon:
             self.publisher.stop()
         if os.path.exists(self.config.socket_path):
             os.unlink(self.config.socket_path)
+        if self.spinners is not None:
+            self.spinners.stop()
 
 
 def _free_socket(path: str) -> None:
@@ -108,6 +111,8 @@ def _free_socket(path: str) -> None:
 
 
 def start(config: ServiceConfig) -> Daemon:
+    if config.cpus:  # first: the threads started from here on inherit it
+        cpus.pin(cpus.parse(config.cpus))
     auth = Authenticator(load_tenants(config.tenants_file), config.socket_tenant,
                          config.require_identity, config.hash)
     os.makedirs(config.data_dir, mode=0o700, exist_ok=True)
@@ -153,7 +158,8 @@ def start(config: ServiceConfig) -> Daemon:
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     daemon = Daemon(config, engine, server, servicer, health_servicer, addresses, handover,
-                    publisher=publisher)
+                    publisher=publisher,
+                    spinners=cpus.Spinners(cpus.parse(config.cpus)) if config.spin else None)
     try:
         daemon.endpoints = Endpoints.start(config, metrics, health_servicer)
     except BaseException:
