@@ -1,9 +1,9 @@
 """The C part of the package (tiercache/_keymap.c: the key map's probing loops and the
 repeat check of a request's keys; tiercache/_rows.c: row copies on the CPU;
 tiercache/_spin.c: a CPU kept out of idle for the daemon); everything else is in
-pyproject.toml. `pip install .` (or -e .) builds it; in a source tree without an install, `python setup.py build_ext
---inplace` does (scripts/gpu-env.sh calls gcc itself: a GPU image's setuptools may be too
-old for pyproject's metadata)."""
+pyproject.toml. `pip install .` (or -e .) builds it; in a source tree without an install,
+`python setup.py build_ext --inplace` does (scripts/gpu-env.sh calls gcc itself: a GPU
+image's setuptools may be too old for pyproject's metadata)."""
 
 from setuptools import Extension, setup
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -38,9 +39,15 @@ def cpu_seconds(pid: int, tid: int) -> float:
     return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@pytest.mark.parametrize("text, expected", [("0", {0}), ("0-0", {0}), (" 0 ", {0}),
-                                            (f"0,{ALLOWED[-1]}", {0, ALLOWED[-1]}),
-                                            (f"0-{ALLOWED[-1]}", set(ALLOWED))])
+FIRST, LAST = ALLOWED[0], ALLOWED[-1]
+OUTSIDE = next(cpu for cpu in itertools.count(FIRST) if cpu not in ALLOWED)  # the first after FIRST
+LISTS = [(f"{FIRST}", {FIRST}), (f"{FIRST}-{FIRST}", {FIRST}), (f" {FIRST} ", {FIRST}),
+         (f"{FIRST},{LAST}", {FIRST, LAST})]
+if ALLOWED == list(range(FIRST, LAST + 1)):
+    LISTS.append((f"{FIRST}-{LAST}", set(ALLOWED)))
+
+
+@pytest.mark.parametrize("text, expected", LISTS)
 def test_cpu_lists_read_as_taskset_writes_them(text, expected):
     assert cpus.parse(text) == expected
 
@@ -50,9 +57,9 @@ def test_cpu_lists_read_as_taskset_writes_them(text, expected):
     ("3-1", "'3-1' is not a CPU or a range of them"),
     ("0-", "'0-' is not a CPU or a range of them"),
     ("-1", "'-1' is not a CPU or a range of them"),
-    ("0,,1", "'' is not a CPU or a range of them"),
-    (f"0-{10**12}", f"CPU {ALLOWED[-1] + 1} is not one this process may run on"),
-    (f"{ALLOWED[-1] + 1}", f"CPU {ALLOWED[-1] + 1} is not one this process may run on")])
+    (f"{FIRST},,{FIRST}", "'' is not a CPU or a range of them"),
+    (f"{FIRST}-{10**12}", f"CPU {OUTSIDE} is not one this process may run on"),
+    (f"{LAST + 1}", f"CPU {LAST + 1} is not one this process may run on")])
 def test_a_bad_cpu_list_says_what_to_write(text, said):
     with pytest.raises(InvalidArgument, match=said.replace("(", r"\(").replace(")", r"\)")):
         cpus.parse(text)
@@ -61,19 +68,19 @@ def test_a_bad_cpu_list_says_what_to_write(text, said):
 def test_spin_without_cpus_is_refused_at_once():
     with pytest.raises(InvalidArgument, match="spin needs cpus: name the CPUs to keep out of idle"):
         ServiceConfig(spin=True).check()
-    ServiceConfig(spin=True, cpus="0").check()
+    ServiceConfig(spin=True, cpus=f"{FIRST}").check()
 
 
 def test_a_daemon_with_cpus_it_may_not_use_does_not_start(tmp_path):
     done = subprocess.run([sys.executable, "-m", "tiercache_service.cli", "serve", "--data-dir",
-                           str(tmp_path), "--metrics-address", "", "--cpus", f"{ALLOWED[-1] + 1}"],
+                           str(tmp_path), "--metrics-address", "", "--cpus", f"{LAST + 1}"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
-    assert f"CPU {ALLOWED[-1] + 1} is not one this process may run on" in done.stderr + done.stdout
+    assert f"CPU {LAST + 1} is not one this process may run on" in done.stderr + done.stdout
 
 
 def test_the_daemons_threads_run_on_its_cpus_and_spinners_keep_them_busy(tmp_path):
-    cpu = ALLOWED[-1]
+    cpu = LAST
     layout = Layout(16, paged=(BufferSpec("kv", 8, (16, 8), "bfloat16"),))
     with running_daemon(tmp_path, "--cpus", str(cpu), "--spin") as (address, process):
         worker = Client(address).register("m", layout)  # every kind of thread has started
