@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 
+from tiercache._spin import spin
 from tiercache.errors import InvalidArgument
 
 
@@ -50,14 +51,13 @@ class Spinners:
     """One busy thread of the lowest priority on each of `cpus`, until `stop`."""
 
     def __init__(self, cpus: frozenset[int]) -> None:
-        from tiercache._spin import spin
         self._on = bytearray(b"\1")
-        self._threads = [threading.Thread(target=self._run, args=(spin, cpu), daemon=True,
+        self._threads = [threading.Thread(target=self._run, args=(cpu,), daemon=True,
                                           name=f"tiercache-spin-{cpu}") for cpu in sorted(cpus)]
         for thread in self._threads:
             thread.start()
 
-    def _run(self, spin, cpu: int) -> None:  # type: ignore[no-untyped-def]
+    def _run(self, cpu: int) -> None:
         os.sched_setaffinity(0, {cpu})  # this thread only (Linux: 0 is the calling thread)
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         spin(self._on)

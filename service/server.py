@@ -111,8 +111,9 @@ def _free_socket(path: str) -> None:
 
 
 def start(config: ServiceConfig) -> Daemon:
-    if config.cpus:  # first: the threads started from here on inherit it
-        cpus.pin(cpus.parse(config.cpus))
+    placed = cpus.parse(config.cpus) if config.cpus else None
+    if placed is not None:  # first: the threads started from here on inherit it
+        cpus.pin(placed)
     auth = Authenticator(load_tenants(config.tenants_file), config.socket_tenant,
                          config.require_identity, config.hash)
     os.makedirs(config.data_dir, mode=0o700, exist_ok=True)
@@ -159,7 +160,7 @@ def start(config: ServiceConfig) -> Daemon:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     daemon = Daemon(config, engine, server, servicer, health_servicer, addresses, handover,
                     publisher=publisher,
-                    spinners=cpus.Spinners(cpus.parse(config.cpus)) if config.spin else None)
+                    spinners=cpus.Spinners(placed) if config.spin else None)
     try:
         daemon.endpoints = Endpoints.start(config, metrics, health_servicer)
     except BaseException:

@@ -48,8 +48,8 @@ from tiercache.channel import DEFAULT_ADDRESS, Tls, connect  # noqa: F401 (the A
 from tiercache.cuda_ipc import OpenedEvents  # cuda-bindings only once a buffer is exported
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
 from tiercache.group import Group, GroupMember
-from tiercache.hashing import (Chain, Keys, Namespace, PageKey, key_array, page_chain, page_keys,
-                               token_array)
+from tiercache.hashing import (Chain, Keys, Namespace, PageKey, check_prompt, key_array, page_chain,
+                               page_keys, token_array)
 from tiercache.results import CacheStats, LoadResult, Match, StoreResult, Tier
 from tiercache.layout import Layout
 from tiercache.outbox import Outbox, outbox_layout
@@ -109,8 +109,7 @@ class Worker:
         return page_keys(tokens, self.root, self.layout.page_tokens, self.hash_name)
 
     def _packed(self, tokens: Any, keys: Keys | Chain | None) -> Request:
-        if (tokens is None) == (keys is None):
-            raise InvalidArgument("give either tokens or keys")
+        check_prompt(tokens, keys)
         if isinstance(keys, Chain):  # keys hashed elsewhere, with their checks
             return Request(key_array(keys.keys).tobytes(), keys.checks.astype("<u8").tobytes())
         if keys is not None:
@@ -166,8 +165,7 @@ class Worker:
         it is done see the entries. Without an outbox, or for a prompt it cannot hold,
         this is `store`, its result in a future that is done."""
         pages, rows = self._checkpoint_pages(checkpoints), _row_array(kv_rows)
-        if (tokens is None) == (keys is None):
-            raise InvalidArgument("give either tokens or keys")
+        check_prompt(tokens, keys)  # now: the request is packed only once the copy is queued
         request = lambda: self._store_request(tokens, keys, publish_tokens, first_page)  # noqa: E731
         if self._outbox is not None and self._outbox.fits(rows, pages):
             return self._outbox.post(request, rows, pages)  # the request packed behind the copy

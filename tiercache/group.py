@@ -18,7 +18,7 @@ from typing import Any, Callable, TypeVar
 import grpc
 
 from tiercache.errors import InvalidArgument
-from tiercache.hashing import Chain, Keys, PageKey, key_array, page_chain, page_keys
+from tiercache.hashing import Chain, Keys, PageKey, check_prompt, key_array, page_chain, page_keys
 from tiercache.results import Match
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
@@ -87,8 +87,7 @@ class Group:
         """The longest prefix every rank can load now (GROUP_INCOMPLETE, 0 pages, while a
         rank is missing). Given tokens or a Chain, each page's check goes along (a key
         collision misses)."""
-        if (tokens is None) == (keys is None):
-            raise InvalidArgument("give either tokens or keys")
+        check_prompt(tokens, keys)
         if tokens is not None:
             keys = self.chain(tokens)
         if isinstance(keys, Chain):

@@ -170,6 +170,12 @@ Keys = Sequence[PageKey] | bytes | np.ndarray
 """Keys in any of three forms: a list of PageKey, their concatenation, or uint64 (n, 2)."""
 
 
+def check_prompt(tokens: Any, keys: Any) -> None:
+    """A call names its prompt by tokens or by keys, one of the two."""
+    if (tokens is None) == (keys is None):
+        raise InvalidArgument("give either tokens or keys")
+
+
 def key_array(keys: Keys) -> np.ndarray:
     """Keys as a read-only uint64 array of shape (n, 2), each row one 16-byte key."""
     if isinstance(keys, np.ndarray):
