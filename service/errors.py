@@ -46,6 +46,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return None
         if handler.unary_unary:
             return handler._replace(unary_unary=_guard(handler.unary_unary, details.method, False))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=_guard(handler.unary_stream, details.method, True))
+        for kind in ("unary_stream", "stream_stream"):
+            if getattr(handler, kind):
+                return handler._replace(**{kind: _guard(getattr(handler, kind), details.method, True)})
         return handler

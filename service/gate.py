@@ -17,11 +17,14 @@ shut every tenant and every probe out. So the gate takes the request off grpc's 
 - a call that has not sent its request within `request_seconds` is cancelled.
 
 A registration holds its slot only until its request has come: from then on it is a
-registered worker, counted by the registry (`max_workers`), not a call in flight.
+registered worker, counted by the registry (`max_workers`), not a call in flight. So
+does a worker's stream of calls (Calls) until its first message: from then on it is
+bound to its worker, one each (service/calls.py), and its messages take no slot.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import Counter
@@ -116,14 +119,13 @@ class CallGate(grpc.ServerInterceptor):
         if handler is None or details.method.startswith(_OPEN_METHODS):
             return handler
         health = details.method.startswith(HEALTH_SERVICE)
-        if handler.unary_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                self._gated(handler.unary_unary, health, streaming=False),
-                handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                self._gated(handler.unary_stream, health, streaming=True),
-                handler.request_deserializer, handler.response_serializer)
+        for kind in ("unary_unary", "unary_stream", "stream_stream"):
+            behaviour = getattr(handler, kind)
+            if behaviour:
+                make = (grpc.stream_unary_rpc_method_handler if kind == "unary_unary"
+                        else grpc.stream_stream_rpc_method_handler)
+                return make(self._gated(behaviour, health, kind), handler.request_deserializer,
+                            handler.response_serializer)
         return handler  # the API has no client-streaming methods
 
     def _admit(self, context: grpc.ServicerContext, health: bool) -> tuple[_Slots, str]:
@@ -154,7 +156,7 @@ class CallGate(grpc.ServerInterceptor):
             self._watchdog.done(context)
         _abort(context, DeadlineExceeded("the call sent no request in time: nothing was done"))
 
-    def _gated(self, behaviour: Callable, health: bool, streaming: bool) -> Callable:
+    def _gated(self, behaviour: Callable, health: bool, kind: str) -> Callable:
         def enter(requests: Iterator[Any], context: grpc.ServicerContext) -> tuple[Any, Callable]:
             try:
                 slots, name = self._admit(context, health)
@@ -188,4 +190,9 @@ class CallGate(grpc.ServerInterceptor):
                 yield from behaviour(request, context)
             finally:
                 leave()
-        return stream if streaming else unary
+
+        def calls(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            request, leave = enter(requests, context)
+            leave()  # bound to its worker from now on, one each (service/calls.py)
+            yield from behaviour(itertools.chain((request,), requests), context)
+        return {"unary_unary": unary, "unary_stream": stream, "stream_stream": calls}[kind]

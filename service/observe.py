@@ -124,14 +124,22 @@ class _Method:
                                      "request_id": rid}})
             return
         code = _status(context, error)
-        self.metrics.observe(self.service, self.method, code.name, seconds, unary)
-        level = logging.DEBUG if code == grpc.StatusCode.OK else logging.INFO
-        if log.isEnabledFor(level):
-            details = context.details() if code != grpc.StatusCode.OK else None
-            log.log(level, "%s %s in %.3f ms", self.method, code.name, seconds * 1e3, extra={"data": {
-                "service": self.service, "method": self.method, "code": code.name,
-                "ms": round(seconds * 1e3, 3), "request_id": rid,
-                **({"details": _text(details)} if details else {})}})
+        record(self.metrics, self.service, self.method, code, seconds, rid, unary,
+               lambda: context.details())
+
+
+def record(metrics: CallMetrics, service: str, method: str, code: grpc.StatusCode, seconds: float,
+           rid: str, unary: bool = True, details: Callable[[], Any] = lambda: None) -> None:
+    """A call's end in the metrics and the log (a line at DEBUG if it succeeded); also each
+    message of a Calls stream, under the method it stands for (service/calls.py)."""
+    metrics.observe(service, method, code.name, seconds, unary)
+    level = logging.DEBUG if code == grpc.StatusCode.OK else logging.INFO
+    if log.isEnabledFor(level):
+        said = details() if code != grpc.StatusCode.OK else None
+        log.log(level, "%s %s in %.3f ms", method, code.name, seconds * 1e3, extra={"data": {
+            "service": service, "method": method, "code": code.name,
+            "ms": round(seconds * 1e3, 3), "request_id": rid,
+            **({"details": _text(said)} if said else {})}})
 
 
 def _left(context: grpc.ServicerContext, error: BaseException | None) -> bool:

@@ -24,7 +24,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tiercache_service import cpus, tls
+from tiercache_service import cpus, observe, tls
 from tiercache_service.auth import Authenticator, load_tenants
 from tiercache_service.config import ServiceConfig
 from tiercache_service.endpoints import Endpoints
@@ -131,11 +131,13 @@ def start(config: ServiceConfig) -> Daemon:
     servicer = TiercacheServicer(engine, registry, config.max_prompt_pages, auth, fleet, lookups)
     metrics, call_metrics = registry_for(engine, registry.__len__, registry.ipc_allocations,
                                          lookups)
+    servicer.observe = lambda method, code, seconds, rid, details: observe.record(
+        call_metrics, SERVICE_NAME, method, code, seconds, rid, details=lambda: details)
     gate = CallGate(auth, GateConfig(config.max_concurrent_rpcs, config.max_calls_per_tenant,
                                      config.request_seconds))
-    # threads: the calls the gate lets in, one stream per registered worker, health checks,
-    # and room for the calls the gate is turning away
-    threads = config.max_concurrent_rpcs + config.max_workers + HEALTH_CALLS + 16
+    # threads: the calls the gate lets in, two streams per registered worker (its
+    # registration, its calls), health checks, and room for the calls the gate is turning away
+    threads = config.max_concurrent_rpcs + 2 * config.max_workers + HEALTH_CALLS + 16
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiercache-rpc"),
         # outermost first: every call is observed, then gated, then its errors mapped; the

@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import torch
 
+from tiercache_service import calls
 from tiercache_service.auth import Authenticator
 from tiercache_service.groups import GroupRegistry, describe_to_proto
 from tiercache_service.fleet import Fleet
@@ -103,6 +104,8 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         self.auth = auth or Authenticator({})
         self.stopping = threading.Event()
         self.groups = GroupRegistry(engine, registry)
+        self.observe: calls.Observe = lambda *ended: None  # each Calls message's end (server.py)
+        self._binding = threading.Lock()  # a worker's Calls stream, bound once
 
     def _worker(self, worker_id: str, context: grpc.ServicerContext
                 ) -> AbstractContextManager[Registration]:
@@ -163,7 +166,7 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             return
         namespace = registration.namespace
         yield pb.RegisterResponse(worker_id=registration.id, namespace_root=registration.root,
-                                  reads_packed_rows=True,
+                                  reads_packed_rows=True, takes_calls=True,
                                   layout_fingerprint=namespace.layout_fingerprint,
                                   hash=namespace.hash_name,
                                   reads_signals=registration.signals is not None,
@@ -204,49 +207,88 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
 
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
         with trace.call("Load"):  # a breakdown, when TIERCACHE_TRACE asks for one
-            keys = self._keys(request.keys, context)
-            checks = self._checks(request.checks, keys)
-            rows = self._rows(request)
-            with self._worker(request.worker_id, context) as worker:
-                slot = request.slot if request.HasField("slot") else None
-                # copies into CPU workers are synchronous anyway
-                asynchronous = request.asynchronous and worker.buffers.device.type == "cuda"
-                with _ordered(request, worker) as (ready, given, _):
-                    # what marks the copies done: the worker's done word or its own done
-                    # event; else, for an asynchronous load, an event of ours, handed back
-                    # in the reply
-                    hand_back = given is None and asynchronous
-                    done = _done_event(worker) if hand_back else given
-                    result = self.engine.load(worker.buffers, worker.engine_keys(keys), rows, slot,
-                                              ready=ready, asynchronous=asynchronous, checks=checks,
-                                              done_event=done, alive=lambda: _waiting(context),
-                                              scope=worker.identity.tenant)
-                # the pages it could take: as many as its rows, or the prompt without paged buffers
-                asked = min(len(keys), len(rows)) if worker.layout.needs_pages else len(keys)
-                self.lookups.loaded(worker.namespace.model_id, request.keys, asked, result.match.pages)
-            return load_to_proto(result, hand_back=hand_back)
+            return self._load(request, context)
+
+    def _load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
+        keys = self._keys(request.keys, context)
+        checks = self._checks(request.checks, keys)
+        rows = self._rows(request)
+        with self._worker(request.worker_id, context) as worker:
+            slot = request.slot if request.HasField("slot") else None
+            # copies into CPU workers are synchronous anyway
+            asynchronous = request.asynchronous and worker.buffers.device.type == "cuda"
+            with _ordered(request, worker) as (ready, given, _):
+                # what marks the copies done: the worker's done word or its own done
+                # event; else, for an asynchronous load, an event of ours, handed back
+                # in the reply
+                hand_back = given is None and asynchronous
+                done = _done_event(worker) if hand_back else given
+                result = self.engine.load(worker.buffers, worker.engine_keys(keys), rows, slot,
+                                          ready=ready, asynchronous=asynchronous, checks=checks,
+                                          done_event=done, alive=lambda: _waiting(context),
+                                          scope=worker.identity.tenant)
+            # the pages it could take: as many as its rows, or the prompt without paged buffers
+            asked = min(len(keys), len(rows)) if worker.layout.needs_pages else len(keys)
+            self.lookups.loaded(worker.namespace.model_id, request.keys, asked, result.match.pages)
+        return load_to_proto(result, hand_back=hand_back)
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
         with trace.call("Store"):  # a breakdown, when TIERCACHE_TRACE asks for one
-            keys = self._keys(request.keys, context)
-            checkpoints = {c.pages: c.slot for c in request.checkpoints}
-            if len(checkpoints) != len(request.checkpoints):
-                raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
-            checks = self._checks(request.checks, keys)
-            rows = self._rows(request)
-            with self._worker(request.worker_id, context) as worker:
-                keys = worker.engine_keys(keys)
-                shared = self.fleet.before_store(worker, keys, request.event_tokens)
-                with _ordered(request, worker) as (ready, done, signalled):
-                    if signalled and not request.asynchronous:  # reply once copied: the
-                        done = None  # done word is written when the call ends
-                    result = self.engine.store(worker.buffers, keys, rows, checkpoints, ready=ready,
-                                               checks=checks, alive=lambda: _waiting(context),
-                                               durable=request.durable,
-                                               timeout=context.time_remaining(), remote=shared,
-                                               first_page=request.first_page, done_event=done,
-                                               scope=worker.identity.tenant)
-            return store_to_proto(result)
+            return self._store(request, context)
+
+    def _store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
+        keys = self._keys(request.keys, context)
+        checkpoints = {c.pages: c.slot for c in request.checkpoints}
+        if len(checkpoints) != len(request.checkpoints):
+            raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
+        checks = self._checks(request.checks, keys)
+        rows = self._rows(request)
+        with self._worker(request.worker_id, context) as worker:
+            keys = worker.engine_keys(keys)
+            shared = self.fleet.before_store(worker, keys, request.event_tokens)
+            with _ordered(request, worker) as (ready, done, signalled):
+                if signalled and not request.asynchronous:  # reply once copied: the
+                    done = None  # done word is written when the call ends
+                result = self.engine.store(worker.buffers, keys, rows, checkpoints, ready=ready,
+                                           checks=checks, alive=lambda: _waiting(context),
+                                           durable=request.durable,
+                                           timeout=context.time_remaining(), remote=shared,
+                                           first_page=request.first_page, done_event=done,
+                                           scope=worker.identity.tenant)
+        return store_to_proto(result)
+
+    def Calls(self, requests: Iterator[pb.CallRequest], context: grpc.ServicerContext
+              ) -> Iterator[pb.CallReply]:
+        """A worker's calls as messages of one stream (service/calls.py)."""
+        handlers = {"match": self._match, "load": self._load, "store": self._store}
+        bound: Registration | None = None
+        try:
+            for message in requests:
+                kind = message.WhichOneof("call")
+                if kind is None:
+                    raise InvalidArgument("a CallRequest names no call: give match, load or store")
+                worker_id = getattr(message, kind).worker_id
+                if bound is None:
+                    bound = self._bind(worker_id, context)
+                elif worker_id != bound.id:
+                    raise InvalidArgument(f"this stream carries worker {bound.id!r}'s calls: open "
+                                          f"one for worker {worker_id!r}")
+                with trace.call(calls.METHODS[kind]):
+                    reply = calls.answer(message, kind, handlers[kind], context, self.observe)
+                yield reply
+        finally:
+            if bound is not None:
+                with self._binding:
+                    if bound.calls == context.cancel:  # not yet bound to a newer stream
+                        bound.calls = None
+
+    def _bind(self, worker_id: str, context: grpc.ServicerContext) -> Registration:
+        """The registration a Calls stream carries the calls of, now bound to it."""
+        with self._worker(worker_id, context) as worker, self._binding:
+            if worker.calls is not None:
+                worker.calls()  # its client gave up on it (a call's timeout): ended
+            worker.calls = context.cancel  # the registry ends the stream with the registration
+        return worker
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
         keys = self._keys(request.keys, context)

@@ -47,6 +47,7 @@ class Registration:
     events: OpenedEvents = field(default_factory=OpenedEvents)  # its ready events (servicer)
     done_events: list = field(default_factory=list)  # the events its loads hand back (servicer)
     signals: DaemonSignals | None = None  # its signal words (GPU workers whose client sends them)
+    calls: Callable[[], None] | None = None  # ends its Calls stream, if one is open (service/calls.py)
 
     @property
     def layout(self) -> Layout:
@@ -321,6 +322,9 @@ class WorkerRegistry:
                                 worker_id, released)
             while registration.active:
                 self._changed.wait()
+            end_calls = registration.calls  # bound only while in use: none binds now
+        if end_calls is not None:
+            end_calls()
         try:
             if registration.buffers is not None:
                 self._quiesce(registration.buffers)

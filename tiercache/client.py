@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from tiercache.buffers import WorkerBuffers, device_buffers, int_ids
+from tiercache.call_stream import CallStream
 from tiercache.channel import DEFAULT_ADDRESS, Tls, connect  # noqa: F401 (the API names both here too)
 from tiercache.cuda_ipc import OpenedEvents  # cuda-bindings only once a buffer is exported
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
@@ -259,8 +260,10 @@ class _Remote:
     def __init__(self, stub: pb_grpc.TiercacheStub, worker_id: str, stream: Any,
                  shared: SharedBuffers | None, device: torch.device | None, timeout: float,
                  metadata: tuple[tuple[str, str], ...], packed: bool,
-                 signals: WorkerSignals | None = None, daemon: tuple[int, int] | None = None) -> None:
+                 signals: WorkerSignals | None = None, daemon: tuple[int, int] | None = None,
+                 calls: CallStream | None = None) -> None:
         self._stub, self._id, self._stream = stub, worker_id, stream
+        self._calls = calls  # Match, Load and Store as messages of one stream, if the daemon takes them
         self._packed = packed  # the daemon reads kv_rows_packed
         self._shared, self._device, self._timeout = shared, device, timeout
         self._call = {"timeout": timeout, "metadata": metadata}
@@ -278,7 +281,7 @@ class _Remote:
     def match(self, prompt: Request, prefetch: bool) -> Match:
         request = pb.MatchRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
                                   prefetch=prefetch)
-        return match_from_proto(_rpc(lambda: self._stub.Match(request, **self._call)).match)
+        return match_from_proto(self._sent("match", request, self._stub.Match).match)
 
     def load(self, prompt: Request, rows: np.ndarray, slot: int | None, synchronous: bool) -> LoadResult:
         asynchronous = self._device is not None and not synchronous
@@ -286,7 +289,7 @@ class _Remote:
             request = pb.LoadRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
                                      slot=slot, **fields, **_rows_fields(rows, self._packed),
                                      asynchronous=asynchronous)
-            reply = _rpc(lambda: self._stub.Load(request, **self._call))
+            reply = self._sent("load", request, self._stub.Load)
             replied()
         result = load_from_proto(reply)
         if not request.asynchronous:
@@ -324,7 +327,16 @@ class _Remote:
                                   **_rows_fields(rows, self._packed),
                                   checkpoints=[pb.Checkpoint(pages=n, slot=s)
                                                for n, s in sorted(checkpoints.items())])
-        return store_from_proto(_rpc(lambda: self._stub.Store(request, **self._call)))
+        return store_from_proto(self._sent("store", request, self._stub.Store))
+
+    def _sent(self, kind: str, request: Any, call: Callable[..., T]) -> T:
+        """The reply to `request`: on the worker's stream of calls, or as a call of its own
+        (the stream is busy with another thread's call, or the daemon takes none)."""
+        if self._calls is not None:
+            reply = self._calls.send(kind, request, self._timeout)
+            if reply is not None:
+                return reply
+        return _rpc(lambda: call(request, **self._call))
 
     @contextmanager
     def _ordered(self, given: Any, awaited: bool, asynchronous: bool
@@ -439,6 +451,8 @@ class _Remote:
             # the daemon releases the waits of a registration that ends: let this worker's
             # own work before them finish first (or its copies could run before it)
             torch.cuda.current_stream(self._device).synchronize()
+        if self._calls is not None:
+            self._calls.close()
         self._stream.cancel()  # ends the registration: the daemon unmaps the buffers
         if self._watcher.is_alive():  # its words released first, if the daemon died:
             self._watcher.join()  # freeing them waits for every stream that waits on them
@@ -448,14 +462,20 @@ class _Remote:
 
 
 class Client:
-    """A connection to a tiercache daemon (`unix:PATH` or `host:port`)."""
+    """A connection to a tiercache daemon (`unix:PATH` or `host:port`).
+
+    A worker's Match, Load and Store go as messages of one stream of its own where the
+    daemon takes them (tiercache/call_stream.py); `streamed_calls=False` makes each a
+    call of its own."""
 
     def __init__(self, address: str | None = None, timeout: float = 30.0,
                  max_message_bytes: int = 16 << 20, token: str | None = None,
-                 tls: Tls | None = None, handover: str | None = None) -> None:
+                 tls: Tls | None = None, handover: str | None = None,
+                 streamed_calls: bool = True) -> None:
         connection = connect(address, max_message_bytes, token, tls)
         self.address = connection.address
         self.timeout = timeout
+        self.streamed_calls = streamed_calls
         # where CPU workers hand their shared memory over: beside the daemon's Unix socket
         self.handover = handover or os.environ.get("TIERCACHE_HANDOVER") or (
             self.address.removeprefix("unix:") + ".fds" if self.address.startswith("unix:") else None)
@@ -547,9 +567,12 @@ class Client:
             signals.close()
             signals = None
         seen = reply.pid and process_started(reply.pid) == reply.started
+        calls = None
+        if self.streamed_calls and reply.takes_calls:
+            calls = CallStream(lambda requests: self._stub.Calls(requests, metadata=self._metadata))
         backend = _Remote(self._stub, reply.worker_id, stream, shared, device, self.timeout,
                           self._metadata, reply.reads_packed_rows, signals,
-                          (reply.pid, reply.started) if seen else None)
+                          (reply.pid, reply.started) if seen else None, calls)
         return Worker(backend, layout, PageKey(reply.namespace_root), reply.hash, tensors)
 
     def _handover(self) -> str:

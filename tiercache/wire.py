@@ -46,8 +46,16 @@ def details_of(error: TiercacheError) -> str:
 
 def error_of(error: grpc.RpcError) -> TiercacheError:
     """The domain error a failed call stands for, with the daemon's message."""
-    code = error.code()  # type: ignore[attr-defined]
-    return _ERRORS.get(code, TiercacheError)(f"{error.details()} ({code.name})")  # type: ignore[attr-defined]
+    return error_from(error.code(), error.details())  # type: ignore[attr-defined]
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def error_from(code: grpc.StatusCode | int, details: str) -> TiercacheError:
+    """The domain error of a status code (or its number, as CallReply.code gives it)."""
+    status = code if isinstance(code, grpc.StatusCode) else _CODES.get(code, grpc.StatusCode.UNKNOWN)
+    return _ERRORS.get(status, TiercacheError)(f"{details} ({status.name})")
 
 
 _STOPS = {StopReason.END_OF_PROMPT: pb.END_OF_PROMPT, StopReason.MISSING_PAGE: pb.MISSING_PAGE,

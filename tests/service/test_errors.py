@@ -144,14 +144,15 @@ def test_rows_sent_unpacked_load_as_packed_ones_do(world):
     reply = stub.Load(pb.LoadRequest(worker_id=worker._backend._id, keys=keys_of(worker),
                                      kv_rows=list(range(10, 16)), slot=1))
     assert packed.match.pages == reply.match.pages == 6
-    sent, real = [], worker._backend._stub.Load
-    worker._backend._stub.Load = lambda request, **kw: sent.append(request) or real(request, **kw)
+    sent, real = [], worker._backend._sent
+    worker._backend._sent = lambda kind, request, call: sent.append(request) or real(kind, request, call)
     worker._backend._packed = False  # as after registering with an older daemon
     try:
         assert worker.load(prompt(0), kv_rows=range(10, 16), slot=1).match.pages == 6
         worker._backend._packed = True
         assert worker.load(prompt(0), kv_rows=range(10, 16), slot=1).match.pages == 6
     finally:
-        worker._backend._packed, worker._backend._stub.Load = True, real
+        worker._backend._packed = True
+        del worker._backend._sent
     assert (list(sent[0].kv_rows), sent[0].kv_rows_packed) == (list(range(10, 16)), b"")
     assert (list(sent[1].kv_rows), sent[1].kv_rows_packed) == ([], np.arange(10, 16, dtype="<u4").tobytes())

@@ -118,7 +118,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferLocation, _Mapping]]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., hash: _Optional[str] = ..., group: _Optional[_Union[Group, _Mapping]] = ..., signals: _Optional[_Union[BufferLocation, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "namespace_root", "layout_fingerprint", "hash", "reads_packed_rows", "reads_signals", "pid", "started")
+    __slots__ = ("worker_id", "namespace_root", "layout_fingerprint", "hash", "reads_packed_rows", "reads_signals", "pid", "started", "takes_calls")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ROOT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class RegisterResponse(_message.Message):
     READS_SIGNALS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
+    TAKES_CALLS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     namespace_root: bytes
     layout_fingerprint: str
@@ -135,7 +136,38 @@ class RegisterResponse(_message.Message):
     reads_signals: bool
     pid: int
     started: int
-    def __init__(self, worker_id: _Optional[str] = ..., namespace_root: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., hash: _Optional[str] = ..., reads_packed_rows: _Optional[bool] = ..., reads_signals: _Optional[bool] = ..., pid: _Optional[int] = ..., started: _Optional[int] = ...) -> None: ...
+    takes_calls: bool
+    def __init__(self, worker_id: _Optional[str] = ..., namespace_root: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., hash: _Optional[str] = ..., reads_packed_rows: _Optional[bool] = ..., reads_signals: _Optional[bool] = ..., pid: _Optional[int] = ..., started: _Optional[int] = ..., takes_calls: _Optional[bool] = ...) -> None: ...
+
+class CallRequest(_message.Message):
+    __slots__ = ("match", "load", "store", "timeout_seconds", "request_id")
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    match: MatchRequest
+    load: LoadRequest
+    store: StoreRequest
+    timeout_seconds: float
+    request_id: str
+    def __init__(self, match: _Optional[_Union[MatchRequest, _Mapping]] = ..., load: _Optional[_Union[LoadRequest, _Mapping]] = ..., store: _Optional[_Union[StoreRequest, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class CallReply(_message.Message):
+    __slots__ = ("match", "load", "store", "code", "details", "request_id")
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    match: MatchResponse
+    load: LoadResponse
+    store: StoreResponse
+    code: int
+    details: str
+    request_id: str
+    def __init__(self, match: _Optional[_Union[MatchResponse, _Mapping]] = ..., load: _Optional[_Union[LoadResponse, _Mapping]] = ..., store: _Optional[_Union[StoreResponse, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Signal(_message.Message):
     __slots__ = ("slot", "value")

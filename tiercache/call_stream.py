@@ -1,0 +1,140 @@
+"""A worker's Match, Load and Store calls over one open stream to its daemon (the Calls
+RPC, service/calls.py): the same requests and replies as calls of their own, without a
+call's setup and teardown each time (0.3 ms less a round trip on an H100 host,
+benchmarks/RESULTS.md).
+
+One call at a time goes on the stream. A call made while another thread's is on it goes
+as a call of its own (`send` answers None). A call waits for its reply at most its
+timeout: one thread of the process cancels the stream of a call past it (checking every
+50 ms), the call raises DeadlineExceeded, and the next call opens a new stream (the
+daemon then ends the old one's binding). A call whose stream broke raises what broke it,
+as a call of its own would; the next one opens a new stream.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import grpc
+
+from tiercache.errors import DeadlineExceeded, Unavailable
+from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.wire import error_from, error_of
+
+_END = None  # ends a stream's requests
+
+
+class _Requests:
+    """The requests of one stream, as grpc reads them (from a thread of its own)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[pb.CallRequest | None] = queue.SimpleQueue()
+
+    def put(self, request: pb.CallRequest | None) -> None:
+        self._queue.put(request)
+
+    def __iter__(self) -> Iterator[pb.CallRequest]:
+        return self
+
+    def __next__(self) -> pb.CallRequest:
+        request = self._queue.get()
+        if request is _END:
+            raise StopIteration
+        return request
+
+
+class _Overdue:
+    """Cancels the streams of calls past their timeout: one thread for the process."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, tuple[float, Any, list[bool]]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def watching(self, stream: Any, timeout: float) -> Iterator[list[bool]]:
+        """While the block runs, `stream` is cancelled once `timeout` seconds have passed;
+        the list it yields is then [True]."""
+        fired: list[bool] = []
+        with self._lock:
+            self._calls[id(fired)] = (time.monotonic() + timeout, stream, fired)
+            if self._thread is None or not self._thread.is_alive():  # also after a fork
+                self._thread = threading.Thread(target=self._run, name="tiercache-overdue",
+                                                daemon=True)
+                self._thread.start()
+        try:
+            yield fired
+        finally:
+            with self._lock:
+                self._calls.pop(id(fired), None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.05)
+            now = time.monotonic()
+            with self._lock:
+                late = [key for key, (deadline, _, _) in self._calls.items() if deadline <= now]
+                late = [self._calls.pop(key) for key in late]
+            for _, stream, fired in late:
+                fired.append(True)
+                stream.cancel()
+
+
+_OVERDUE = _Overdue()
+
+
+class CallStream:
+    """One worker's stream of calls, opened at its first call by `open_stream`."""
+
+    def __init__(self, open_stream: Callable[[Iterator[pb.CallRequest]], Any]) -> None:
+        self._open = open_stream
+        self._lock = threading.Lock()
+        self._requests: _Requests | None = None
+        self._replies: Any = None  # grpc's iterator of replies, also the call to cancel
+        self._closed = False
+
+    def send(self, kind: str, request: Any, timeout: float) -> Any | None:
+        """The reply to `request` (CallRequest's field `kind`), waited for at most
+        `timeout` seconds; None when the stream is busy with another thread's call or
+        closed (make it a call of its own then). A failed call raises its error."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._closed:
+                return None
+            if self._replies is None:
+                self._requests = _Requests()
+                self._replies = self._open(self._requests)
+            self._requests.put(pb.CallRequest(timeout_seconds=timeout, **{kind: request}))
+            with _OVERDUE.watching(self._replies, timeout) as overdue:
+                try:
+                    reply = next(self._replies)
+                except (grpc.RpcError, StopIteration) as error:
+                    self._end()
+                    if overdue:
+                        raise DeadlineExceeded(f"no reply within {timeout:g} s (DEADLINE_EXCEEDED)") from None
+                    if isinstance(error, grpc.RpcError):
+                        raise error_of(error) from None
+                    raise Unavailable("the daemon ended this worker's stream of calls (UNAVAILABLE)") from None
+        finally:
+            self._lock.release()
+        if reply.code:
+            raise error_from(reply.code, reply.details)
+        return getattr(reply, kind)
+
+    def _end(self) -> None:
+        if self._requests is not None:
+            self._requests.put(_END)
+        if self._replies is not None:
+            self._replies.cancel()
+        self._requests = self._replies = None
+
+    def close(self) -> None:
+        """End the stream; later calls go as calls of their own."""
+        with self._lock:
+            self._closed = True
+            self._end()
