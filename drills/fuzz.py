@@ -116,16 +116,16 @@ class World:
         return next((w for w in self.workers.values() if w.id == worker_id), None)
 
 
-def guarded(servicer: TiercacheServicer, method: str, streaming: bool):
-    make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-    handler = make(getattr(servicer, method))
+def guarded(servicer: TiercacheServicer, method: str, kind: str = "unary_unary"):
+    """The servicer's method as grpc would call it through the error interceptor; `kind`:
+    unary_unary, unary_stream or stream_stream."""
+    handler = getattr(grpc, f"{kind}_rpc_method_handler")(getattr(servicer, method))
 
     class Details:
         pass
     details = Details()
     details.method = f"/tiercache.v1.Tiercache/{method}"
-    wrapped = ErrorInterceptor().intercept_service(lambda _: handler, details)
-    return wrapped.unary_stream if streaming else wrapped.unary_unary
+    return getattr(ErrorInterceptor().intercept_service(lambda _: handler, details), kind)
 
 
 def locations(placements: list[shm.Placement], ticket: bytes) -> list[pb.BufferLocation]:
@@ -145,8 +145,9 @@ def build_world(folder: Path) -> World:
     servicer = TiercacheServicer(engine, registry, MAX_PAGES, Authenticator(tenants))
     world = World(servicer, engine, handover, {})
     for method in ("Match", "Load", "Store", "Evict", "Stats", "Unregister", "Settle"):
-        world.handlers[method] = guarded(servicer, method, False)
-    world.handlers["Register"] = guarded(servicer, "Register", True)
+        world.handlers[method] = guarded(servicer, method)
+    world.handlers["Register"] = guarded(servicer, "Register", "unary_stream")
+    world.handlers["Calls"] = guarded(servicer, "Calls", "stream_stream")
     for tenant, name in NAMESPACES:
         layout = LAYOUTS[name]
         shared = SharedBuffers.create(layout)
@@ -217,8 +218,11 @@ def foreign_bytes(world: World, worker: Worker, request: pb.LoadRequest, reply,
     return wrong
 
 
-def call(world: World, method: str, request, context: Context):
-    """One call as gRPC would make it; returns the reply or the abort's code."""
+def call(world: World, method: str, request, context: Context, timeout: float | None = None):
+    """One call as gRPC would make it; returns the reply or the abort's code. With a
+    `timeout`, a Match, Load or Store goes as the message of a Calls stream instead."""
+    if timeout is not None:
+        return streamed(world, method, request, context, timeout)
     handler = world.handlers.get(method) or getattr(world.servicer, method)
     try:
         if method == "Register":
@@ -233,13 +237,33 @@ def call(world: World, method: str, request, context: Context):
         return context.code
 
 
+STREAMED = ("Match", "Load", "Store")  # the calls a Calls stream carries
+
+
+def streamed(world: World, method: str, request, context: Context, timeout: float):
+    """The call as the one message of a Calls stream: its reply, or its code (the reply's,
+    or the stream's abort)."""
+    kind = method.lower()
+    try:
+        replies = world.handlers["Calls"](iter([pb.CallRequest(timeout_seconds=timeout,
+                                                               **{kind: request})]), context)
+        reply = next(replies)
+        replies.close()
+    except Aborted:
+        return context.code
+    if reply.code:
+        return next(code for code in grpc.StatusCode if code.value[0] == reply.code)
+    return getattr(reply, kind)
+
+
 def caller_tenant(context: Context) -> str | None:
     tokens = {f"Bearer {t}": name for name, t in TOKENS.items()}
     found = [tokens.get(v) for k, v in context.metadata if k == "authorization"]
     return found[0] if found else None
 
 
-def fuzzed_call(world: World, method: str, request, context: Context) -> tuple[object, list[str]]:
+def fuzzed_call(world: World, method: str, request, context: Context,
+                timeout: float | None = None) -> tuple[object, list[str]]:
     """The call, with the isolation oracle around it: (reply or code, foreign bytes)."""
     worker = world.owner(getattr(request, "worker_id", ""))
     if method == "Register" and request.buffers and request.buffers[0].shm.ticket == FRESH:
@@ -254,7 +278,7 @@ def fuzzed_call(world: World, method: str, request, context: Context) -> tuple[o
     if method == "Store" and worker is not None:
         prepare_store(world, worker, request, caller_tenant(context))
     before = [t.clone() for t in sum(worker.rows, [])] if worker is not None and method == "Load" else None
-    reply = call(world, method, request, context)
+    reply = call(world, method, request, context, timeout)
     wrong = foreign_bytes(world, worker, request, reply, before) if before is not None else []
     return reply, wrong
 
@@ -373,9 +397,11 @@ def requests_for(world: World, worker: Worker):
 
 
 def steps(world: World):
-    """(method, request, context): a call as one of the four workers would make it."""
+    """((method, request), context, timeout): a call as one of the four workers would make
+    it; with a timeout (seconds, or anything), a Match, Load or Store goes on a Calls stream."""
+    timeout = st.one_of(st.none(), mostly(st.just(0.0), st.floats()))
     return st.sampled_from(NAMESPACES).flatmap(lambda ns: st.tuples(
-        requests_for(world, world.workers[ns]), contexts(world, ns[0])))
+        requests_for(world, world.workers[ns]), contexts(world, ns[0]), timeout))
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -399,10 +425,11 @@ def run(examples: int, seed: int = 0, folder: Path | None = None) -> Outcome:
                   phases=[Phase.generate], suppress_health_check=list(HealthCheck))
         @given(steps(world))
         def one(step):
-            (method, message), context = step
-            outcome.calls[method] += 1
+            (method, message), context, timeout = step
+            timeout = timeout if method in STREAMED else None
+            outcome.calls[method if timeout is None else "Calls"] += 1
             try:
-                reply, wrong = fuzzed_call(world, method, message, context)
+                reply, wrong = fuzzed_call(world, method, message, context, timeout)
             except BaseException:  # noqa: BLE001 - anything escaping is a finding
                 outcome.failures.append(f"{method} raised: {message!r:.300}\n{traceback.format_exc()}")
                 return
@@ -451,7 +478,7 @@ def still_serves(world: World) -> bool:
 
 
 # -- raw bytes against a daemon process --------------------------------------------------
-METHODS = ("Register", "Unregister", "Match", "Load", "Store", "Evict", "Stats", "Settle")
+METHODS = ("Register", "Unregister", "Match", "Load", "Store", "Evict", "Stats", "Settle", "Calls")
 
 
 def run_raw(messages: int, seed: int = 0) -> tuple[collections.Counter, bool]:
@@ -472,6 +499,9 @@ def run_raw(messages: int, seed: int = 0) -> tuple[collections.Counter, bool]:
                 if method == "Register":
                     next(channel.unary_stream(path)(payload, timeout=10))
                     codes["OK"] += 1  # a registration of garbage went through: the stream ends
+                elif method == "Calls":
+                    next(channel.stream_stream(path)(iter([payload]), timeout=10))
+                    codes["OK"] += 1
                 else:
                     channel.unary_unary(path)(payload, timeout=10)
                     codes["OK"] += 1

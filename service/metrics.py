@@ -55,13 +55,15 @@ class Metric:
 
 
 METRICS = {m.name: m for m in (
-    Metric("rpc_requests", "counter", "gRPC calls finished, by service, method and status code.",
+    Metric("rpc_requests", "counter", "gRPC calls finished, by service, method and status code "
+           "(a Match, Load or Store sent on a worker's Calls stream counts under its own method).",
            ("service", "method", "code")),
     Metric("stream_disconnects", "counter", "Streams whose client went away (a worker leaving "
            "its Register stream, a health Watch ending): normal ends, not failed calls, and not "
            "in rpc_requests.", ("service", "method")),
     Metric("rpc_duration_seconds", "histogram", "Time to answer a unary gRPC call (Match, Load, "
-           "Store, ...), from its arrival to its answer.", ("service", "method")),
+           "Store, ...) or a message of a Calls stream, from its arrival to its answer.",
+           ("service", "method")),
     Metric("matches", "counter", "Match calls answered."),
     Metric("match_requested_pages", "counter", "Full pages in the prompts given to Match."),
     Metric("matched_pages", "counter", "Pages Match found, by the best tier that held each.",

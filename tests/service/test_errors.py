@@ -21,7 +21,8 @@ def world(tmp_path_factory):
     """A daemon with small limits, one registered worker and one stored prompt."""
     folder = tmp_path_factory.mktemp("daemon")
     with running_daemon(folder, "--max-message-bytes", "1MiB", "--max-prompt-pages", "1000") as (address, _):
-        client = Client(address)
+        # its calls each on their own: the streamed cases bind a stream of their own to it
+        client = Client(address, streamed_calls=False)
         worker = client.register("test-model", LAYOUT)
         worker.store(prompt(0), kv_rows=range(6), checkpoints={96: 0})
         stub = pb_grpc.TiercacheStub(grpc.insecure_channel(address))
@@ -109,13 +110,44 @@ CASES = {
 }
 
 
+class _Failed(grpc.RpcError):
+    def __init__(self, reply: pb.CallReply) -> None:
+        self._reply = reply
+
+    def code(self) -> grpc.StatusCode:
+        return next(c for c in CODE if c.value[0] == self._reply.code)
+
+    def details(self) -> str:
+        return self._reply.details
+
+
+class Streamed:
+    """The stub, its Match, Load and Store sent as the message of a Calls stream."""
+
+    def __init__(self, stub: pb_grpc.TiercacheStub) -> None:
+        self._stub = stub
+
+    def __getattr__(self, name: str):
+        kind = {"Match": "match", "Load": "load", "Store": "store"}.get(name)
+        if kind is None:
+            return getattr(self._stub, name)
+
+        def call(request):
+            reply = next(self._stub.Calls(iter([pb.CallRequest(**{kind: request})])))
+            if reply.code:
+                raise _Failed(reply)
+            return getattr(reply, kind)
+        return call
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["call", "streamed"])
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_gets_its_status_and_changes_nothing(world, case):
+def test_bad_input_gets_its_status_and_changes_nothing(world, case, streamed):
     client, worker, stub = world
     code, call = CASES[case]
     before = snapshot(client)
     with pytest.raises(grpc.RpcError) as failure:
-        call(stub, worker)
+        call(Streamed(stub) if streamed else stub, worker)
     assert failure.value.code() == code, failure.value.details()
     assert failure.value.details()  # always a message that says what was wrong
     assert snapshot(client) == before
