@@ -28,6 +28,9 @@ With --daemon-cpus N, the daemons run as `--cpus <the first N CPUs> --spin` and 
 process (the worker) on the other CPUs: the daemon's threads stay on a few CPUs that never
 idle (service/cpus.py). Without it, both run wherever the scheduler puts them.
 
+The workers send their calls as messages of one stream each (tiercache/call_stream.py);
+with --unary-calls, each as a call of its own.
+
 With --profile, first: where stores and loads of 512 MiB and of the 32k prefix go, step
 by step (tiercache/trace.py: the daemon synchronises with the GPU around each step of a
 traced call; a second table without synchronising), beside the worker's wall time of the
@@ -117,6 +120,9 @@ def daemon(placed: int, *flags: str) -> Iterator[str]:
             cpus.pin(frozenset(allowed))
 
 
+CLIENT: dict = {}  # the workers' Client options (--unary-calls)
+
+
 def rows_layout(pages: int, row_bytes: int) -> Layout:
     """BUFFERS paged buffers of `row_bytes` rows, twice as many rows as the prompt's pages."""
     return Layout(16, paged=tuple(BufferSpec(f"kv{i}", 2 * pages, (row_bytes // 2,), "bfloat16")
@@ -128,7 +134,7 @@ def ours(address: str, row_bytes: int) -> tuple[float, float, float, float, floa
     layout = rows_layout(pages, row_bytes)
     tensors = {b.name: torch.randint(-2**15, 2**15, b.shape, dtype=torch.int16, device="cuda"
                                      ).view(torch.bfloat16) for b in layout.paged}
-    worker = Client(address).register("bench-model", layout, buffers=tensors)
+    worker = Client(address, **CLIENT).register("bench-model", layout, buffers=tensors)
     order = torch.randperm(2 * pages).tolist()
     src, dst = order[:pages], order[pages:]
     keys = worker.keys(np.random.default_rng(row_bytes).integers(0, 150_000, pages * 16).tolist())
@@ -160,7 +166,7 @@ def forget(worker: Worker, keys: list, address: str) -> None:
     behind it, and entries still being copied stay (pinned while read; the first copy
     down also compiles its kernel): evict again until the daemon holds nothing."""
     deadline = time.monotonic() + 60
-    stats = Client(address)
+    stats = Client(address, **CLIENT)
     try:
         while True:
             time.sleep(0.5)
@@ -175,7 +181,7 @@ def copied_down(address: str, entries: int) -> None:
     """Wait until the host tier holds `entries` entries: the copies down behind the last
     store are done, and the daemon is idle."""
     deadline = time.monotonic() + 60
-    stats = Client(address)
+    stats = Client(address, **CLIENT)
     try:
         while time.monotonic() < deadline:
             if any(t.tier == Tier.HOST and t.entries >= entries for t in stats.stats().tiers):
@@ -199,7 +205,7 @@ def prefix_32k(address: str) -> dict[str, float]:
     layout = qwen3_next_layout(2 * pages)
     tensors = {b.name: torch.randn(b.shape, device="cuda").to(getattr(torch, b.dtype))
                for b in (*layout.paged, *layout.slots)}
-    worker = Client(address).register("qwen3-next-shaped", layout, buffers=tensors, outbox_pages=pages)
+    worker = Client(address, **CLIENT).register("qwen3-next-shaped", layout, buffers=tensors, outbox_pages=pages)
     keys = worker.keys(np.random.default_rng(32).integers(0, 150_000, 32768).tolist())
     nbytes = pages * layout.page_bytes + layout.checkpoint_bytes
     src, dst = list(range(pages)), list(range(pages, 2 * pages))
@@ -334,7 +340,7 @@ def _rows_calls(row_bytes: int, rounds: int = 7) -> Callable[[str], list[Wall]]:
         pages = TOTAL // (BUFFERS * row_bytes)
         layout = rows_layout(pages, row_bytes)
         tensors = {b.name: torch.zeros(b.shape, dtype=torch.bfloat16, device="cuda") for b in layout.paged}
-        worker = Client(address).register("bench-model", layout, buffers=tensors)
+        worker = Client(address, **CLIENT).register("bench-model", layout, buffers=tensors)
         keys = worker.keys(np.random.default_rng(row_bytes).integers(0, 150_000, pages * 16).tolist())
         walls: list[Wall] = []
         for _ in range(rounds):
@@ -355,7 +361,7 @@ def _prefix_calls(rounds: int = 7) -> Callable[[str], list[Wall]]:
         layout = qwen3_next_layout(2 * pages)
         tensors = {b.name: torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device="cuda")
                    for b in (*layout.paged, *layout.slots)}
-        worker = Client(address).register("qwen3-next-shaped", layout, buffers=tensors)
+        worker = Client(address, **CLIENT).register("qwen3-next-shaped", layout, buffers=tensors)
         keys = worker.keys(np.random.default_rng(32).integers(0, 150_000, 32768).tolist())
         dst = range(pages, 2 * pages)
         walls: list[Wall] = []
@@ -539,7 +545,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also the per-step breakdown")
     parser.add_argument("--daemon-cpus", type=int, default=0, metavar="N",
                         help="the daemons on the first N CPUs, kept out of idle; this process on the rest")
+    parser.add_argument("--unary-calls", action="store_true",
+                        help="each Match, Load and Store a call of its own, not a message of the "
+                             "worker's stream of calls")
     args = parser.parse_args()
+    CLIENT["streamed_calls"] = not args.unary_calls
     if args.profile:
         print_profile()
     rows, summary = [], {}
