@@ -92,6 +92,16 @@ def _waiting(context: grpc.ServicerContext) -> bool:
     return context.is_active() and (remaining is None or remaining > _DEADLINE_MARGIN)
 
 
+def _next_message(messages: Iterator[pb.CallRequest]) -> pb.CallRequest | None:
+    """A Calls stream's next message; None once it ended: its client closed or left, or
+    it was cancelled (a newer stream of its worker, the registration's end, the daemon
+    stopping): a normal end, not a failure to log."""
+    try:
+        return next(messages)
+    except (StopIteration, grpc.RpcError):
+        return None
+
+
 class TiercacheServicer(pb_grpc.TiercacheServicer):
     def __init__(self, engine: Engine, registry: WorkerRegistry, max_prompt_pages: int,
                  auth: Authenticator | None = None, fleet: Fleet | None = None,
@@ -262,8 +272,9 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         """A worker's calls as messages of one stream (service/calls.py)."""
         handlers = {"match": self._match, "load": self._load, "store": self._store}
         bound: Registration | None = None
+        messages = iter(requests)
         try:
-            for message in requests:
+            while (message := _next_message(messages)) is not None:
                 kind = message.WhichOneof("call")
                 if kind is None:
                     raise InvalidArgument("a CallRequest names no call: give match, load or store")

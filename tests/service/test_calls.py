@@ -200,3 +200,15 @@ def test_calls_from_two_threads_at_once_both_answer(world):
     for t in threads:
         t.join()
     assert answers == [6] * 200
+
+
+def test_a_daemon_stopping_with_streams_open_ends_them_quietly(tmp_path):
+    with running_daemon(tmp_path) as (address, process):
+        worker = Client(address).register("test-model", LAYOUT)
+        assert worker.match(prompt(0)).pages == 0  # its stream is open now
+    said = process.stdout.read()
+    assert process.returncode == 0, said
+    assert "ERROR" not in said and "Traceback" not in said, said
+    with pytest.raises(Exception):  # the daemon is gone: the worker's next call fails
+        worker.match(prompt(0))
+    worker.close()
