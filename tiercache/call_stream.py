@@ -1,7 +1,7 @@
 """A worker's Match, Load and Store calls over one open stream to its daemon (the Calls
 RPC, service/calls.py): the same requests and replies as calls of their own, without a
-call's setup and teardown each time (0.3 ms less a round trip on an H100 host,
-benchmarks/RESULTS.md).
+call's setup and teardown each time (a Match of a 32k-token prompt 0.16-0.18 ms sooner on
+the 2-core machine, benchmarks/RESULTS.md).
 
 One call at a time goes on the stream. A call made while another thread's is on it goes
 as a call of its own (`send` answers None). A call waits for its reply at most its
@@ -76,12 +76,11 @@ class _Overdue:
         while True:
             time.sleep(0.05)
             now = time.monotonic()
-            with self._lock:
+            with self._lock:  # so a block that ended knows whether its stream was cancelled
                 late = [key for key, (deadline, _, _) in self._calls.items() if deadline <= now]
-                late = [self._calls.pop(key) for key in late]
-            for _, stream, fired in late:
-                fired.append(True)
-                stream.cancel()
+                for _, stream, fired in [self._calls.pop(key) for key in late]:
+                    fired.append(True)
+                    stream.cancel()
 
 
 _OVERDUE = _Overdue()
@@ -120,6 +119,8 @@ class CallStream:
                     if isinstance(error, grpc.RpcError):
                         raise error_of(error) from None
                     raise Unavailable("the daemon ended this worker's stream of calls (UNAVAILABLE)") from None
+            if overdue:  # cancelled as its reply came: the next call opens a new stream
+                self._end()
         finally:
             self._lock.release()
         if reply.code:

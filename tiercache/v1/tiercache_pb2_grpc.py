@@ -163,8 +163,8 @@ class TiercacheServicer:
     def Calls(self, request_iterator, context):
         """One registered worker's Match, Load and Store calls as messages of one stream, each
         answered in turn, with the same requests and replies as the calls of their own: a
-        message costs less than a call's setup and teardown (0.3 ms less a round trip on an
-        H100 host, benchmarks/RESULTS.md). The first message binds the stream to its
+        message costs less than a call's setup and teardown (benchmarks/RESULTS.md, the
+        twentieth round of issue 15). The first message binds the stream to its
         worker_id, and every later one must name the same worker. A worker has one such
         stream: binding a newer one ends the older (its client gave up on it), and the
         registration's end ends it. A call that fails is answered in its reply (`code`,
