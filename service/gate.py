@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -34,6 +33,7 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from tiercache_service.auth import Authenticator
+from tiercache.deadlines import Deadlines
 from tiercache.errors import DeadlineExceeded, ResourceExhausted, TiercacheError
 from tiercache.wire import details_of, status_of
 
@@ -73,34 +73,6 @@ class _Slots:
                 del self._held[name]
 
 
-class _Watchdog:
-    """Cancels calls whose request has not come by their deadline (one thread for all)."""
-
-    def __init__(self) -> None:
-        self._waiting: dict[int, tuple[float, grpc.ServicerContext]] = {}
-        self._lock = threading.Lock()
-        threading.Thread(target=self._run, name="tiercache-watchdog", daemon=True).start()
-
-    def watch(self, context: grpc.ServicerContext, seconds: float) -> None:
-        with self._lock:
-            self._waiting[id(context)] = (time.monotonic() + seconds, context)
-
-    def done(self, context: grpc.ServicerContext) -> None:
-        with self._lock:
-            self._waiting.pop(id(context), None)
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(0.1)
-            now = time.monotonic()
-            with self._lock:
-                late = [c for when, c in self._waiting.values() if when <= now]
-                for context in late:
-                    del self._waiting[id(context)]
-            for context in late:
-                context.cancel()
-
-
 def _abort(context: grpc.ServicerContext, error: TiercacheError) -> None:
     context.abort(status_of(error), details_of(error))
 
@@ -111,7 +83,7 @@ class CallGate(grpc.ServerInterceptor):
         self.config = config
         self._calls = _Slots(config.total, config.per_tenant)
         self._health = _Slots(HEALTH_CALLS, HEALTH_PER_PEER)
-        self._watchdog = _Watchdog()
+        self._watchdog = Deadlines("tiercache-watchdog", every=0.1)  # calls whose request is late
 
     def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
         # once per method (observe.PerMethod): the work of each call is in the handler
@@ -147,13 +119,12 @@ class CallGate(grpc.ServerInterceptor):
         """The call's request, within the time it has to send one; a call that ends without
         one (cancelled by the watchdog or its client, or sent something grpc could not
         parse, which grpc answered already) ends here."""
-        self._watchdog.watch(context, HEALTH_REQUEST_SECONDS if health else self.config.request_seconds)
+        seconds = HEALTH_REQUEST_SECONDS if health else self.config.request_seconds
         try:
-            return next(requests)
+            with self._watchdog.watching(context, seconds):
+                return next(requests)
         except (StopIteration, grpc.RpcError):
             pass
-        finally:
-            self._watchdog.done(context)
         _abort(context, DeadlineExceeded("the call sent no request in time: nothing was done"))
 
     def _gated(self, behaviour: Callable, health: bool, kind: str) -> Callable:

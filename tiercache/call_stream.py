@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
-from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import grpc
 
+from tiercache.deadlines import Deadlines
 from tiercache.errors import DeadlineExceeded, Unavailable
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.wire import error_from, error_of
@@ -47,43 +46,7 @@ class _Requests:
         return request
 
 
-class _Overdue:
-    """Cancels the streams of calls past their timeout: one thread for the process."""
-
-    def __init__(self) -> None:
-        self._calls: dict[int, tuple[float, Any, list[bool]]] = {}
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    @contextmanager
-    def watching(self, stream: Any, timeout: float) -> Iterator[list[bool]]:
-        """While the block runs, `stream` is cancelled once `timeout` seconds have passed;
-        the list it yields is then [True]."""
-        fired: list[bool] = []
-        with self._lock:
-            self._calls[id(fired)] = (time.monotonic() + timeout, stream, fired)
-            if self._thread is None or not self._thread.is_alive():  # also after a fork
-                self._thread = threading.Thread(target=self._run, name="tiercache-overdue",
-                                                daemon=True)
-                self._thread.start()
-        try:
-            yield fired
-        finally:
-            with self._lock:
-                self._calls.pop(id(fired), None)
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(0.05)
-            now = time.monotonic()
-            with self._lock:  # so a block that ended knows whether its stream was cancelled
-                late = [key for key, (deadline, _, _) in self._calls.items() if deadline <= now]
-                for _, stream, fired in [self._calls.pop(key) for key in late]:
-                    fired.append(True)
-                    stream.cancel()
-
-
-_OVERDUE = _Overdue()
+_OVERDUE = Deadlines("tiercache-overdue", every=0.05)  # cancels the streams of calls past their timeout
 
 
 class CallStream:
