@@ -53,8 +53,16 @@ class MessageContext:
     def is_active(self) -> bool:
         return self._stream.is_active()
 
-    def __getattr__(self, name: str) -> Any:  # who calls (metadata, certificate, peer)
-        return getattr(self._stream, name)
+    # who calls: the stream's caller (service/auth.py reads these); nothing else of the
+    # stream's (aborting it, its trailers) is a message's to touch
+    def invocation_metadata(self) -> Any:
+        return self._stream.invocation_metadata()
+
+    def auth_context(self) -> Any:
+        return self._stream.auth_context()
+
+    def peer(self) -> str:
+        return self._stream.peer()
 
 
 def answer(message: pb.CallRequest, kind: str, handle: Callable[[Any, Any], Any],
