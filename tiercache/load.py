@@ -217,7 +217,7 @@ class Loads:
         came from; returns the seconds the call took."""
         parts, counts = staged
         start = time.perf_counter()
-        with trace.span("copy"):
+        with trace.span("copy" if group.kind == Kind.PAGE else "copy checkpoint"):
             transfer.scatter(parts, group.buffers, group.offsets, dst)
         for tier, count in counts.items():
             if count:
