@@ -59,7 +59,7 @@ from tiercache.shm import SharedBuffers
 from tiercache.signals import Call, WorkerSignals, process_started
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
-from tiercache.wire import (error_of, layout_to_proto, load_from_proto, match_from_proto,
+from tiercache.wire import (answered, layout_to_proto, load_from_proto, match_from_proto,
                             store_from_proto, tier_stats_from_proto)
 
 log = logging.getLogger(__name__)
@@ -240,12 +240,6 @@ def _rows_fields(rows: np.ndarray, packed: bool) -> dict[str, Any]:
     return {"kv_rows_packed": rows.astype("<u4").tobytes()} if packed else {"kv_rows": rows.tolist()}
 
 
-def _rpc(call: Callable[[], T]) -> T:
-    try:
-        return call()
-    except grpc.RpcError as error:
-        raise error_of(error) from None
-
 
 def _ready_event(device: torch.device | None) -> torch.cuda.Event | None:
     """An event after everything queued so far on the current stream (in-process)."""
@@ -336,7 +330,7 @@ class _Remote:
             reply = self._calls.send(kind, request, self._timeout)
             if reply is not None:
                 return reply
-        return _rpc(lambda: call(request, **self._call))
+        return answered(lambda: call(request, **self._call))
 
     @contextmanager
     def _ordered(self, given: Any, awaited: bool, asynchronous: bool
@@ -441,7 +435,7 @@ class _Remote:
 
     def evict(self, prompt: Request, tier: Tier | None) -> int:
         request = pb.EvictRequest(worker_id=self._id, keys=prompt.keys, tier=int(tier or 0))
-        return _rpc(lambda: self._stub.Evict(request, **self._call)).evicted
+        return answered(lambda: self._stub.Evict(request, **self._call)).evicted
 
     def connected(self) -> bool:
         return not self._stream.done()  # the registration stream ends with the daemon
@@ -555,7 +549,7 @@ class Client:
         try:
             stream: Iterator[pb.RegisterResponse] = self._stub.Register(request,
                                                                       metadata=self._metadata)
-            reply = _rpc(lambda: next(stream))
+            reply = answered(lambda: next(stream))
         except (TiercacheError, StopIteration) as error:
             for owned in (shared, signals):
                 if owned is not None:
@@ -588,7 +582,7 @@ class Client:
                      self._metadata)
 
     def stats(self) -> CacheStats:
-        reply = _rpc(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout,
+        reply = answered(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout,
                                               metadata=self._metadata))
         return CacheStats(tuple(tier_stats_from_proto(t) for t in reply.tiers), dict(reply.counters),
                           reply.workers)

@@ -13,18 +13,14 @@ own, such as vLLM's scheduler, asks for the group by id:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
-
-import grpc
+from typing import Any
 
 from tiercache.errors import InvalidArgument
 from tiercache.hashing import Chain, Keys, PageKey, check_prompt, key_array, page_chain, page_keys
 from tiercache.results import Match
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
-from tiercache.wire import error_of, match_from_proto
-
-T = TypeVar("T")
+from tiercache.wire import answered, match_from_proto
 
 
 @dataclass(frozen=True)
@@ -45,12 +41,6 @@ class GroupMember:
         return pb.Group(id=self.id, rank=self.rank, size=self.size)
 
 
-def _rpc(call: Callable[[], T]) -> T:
-    try:
-        return call()
-    except grpc.RpcError as error:
-        raise error_of(error) from None
-
 
 class Group:
     """A group as the daemon describes it now, and matches for all its ranks at once."""
@@ -60,7 +50,7 @@ class Group:
         self.id = group_id
         self._stub = stub
         self._call: dict[str, Any] = {"timeout": timeout, "metadata": metadata}
-        reply = _rpc(lambda: stub.DescribeGroup(pb.DescribeGroupRequest(group=group_id),
+        reply = answered(lambda: stub.DescribeGroup(pb.DescribeGroupRequest(group=group_id),
                                                 **self._call))
         self.root = PageKey(reply.namespace_root)
         self.hash_name = reply.hash
@@ -95,4 +85,4 @@ class Group:
         else:
             packed, checks = key_array(keys).tobytes(), b""
         request = pb.MatchRequest(group=self.id, keys=packed, checks=checks, prefetch=prefetch)
-        return match_from_proto(_rpc(lambda: self._stub.Match(request, **self._call)).match)
+        return match_from_proto(answered(lambda: self._stub.Match(request, **self._call)).match)

@@ -3,6 +3,8 @@ client and the daemon so that both sides read the contract the same way."""
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import grpc
 
 from tiercache.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
@@ -25,6 +27,7 @@ STATUS_CODES: dict[type[TiercacheError], grpc.StatusCode] = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 _ERRORS = {code: kind for kind, code in STATUS_CODES.items()}
+T = TypeVar("T")
 
 
 def status_of(error: TiercacheError) -> grpc.StatusCode:
@@ -47,6 +50,14 @@ def details_of(error: TiercacheError) -> str:
 def error_of(error: grpc.RpcError) -> TiercacheError:
     """The domain error a failed call stands for, with the daemon's message."""
     return error_from(error.code(), error.details())  # type: ignore[attr-defined]
+
+
+def answered(call: Callable[[], T]) -> T:
+    """What a call answered, or, if it failed, the domain error its failure stands for."""
+    try:
+        return call()
+    except grpc.RpcError as error:
+        raise error_of(error) from None
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
