@@ -64,7 +64,7 @@ from tiercache.shm import SharedBuffers
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
 from tiercache.v1 import tiercache_pb2 as pb
-from tiercache.wire import layout_to_proto
+from tiercache.wire import layout_to_proto, status_from
 
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
@@ -252,7 +252,7 @@ def streamed(world: World, method: str, request, context: Context, timeout: floa
     except Aborted:
         return context.code
     if reply.code:
-        return next(code for code in grpc.StatusCode if code.value[0] == reply.code)
+        return status_from(reply.code)
     return getattr(reply, kind)
 
 

@@ -25,27 +25,6 @@ from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.wire import error_from, error_of
 
 _END = None  # ends a stream's requests
-
-
-class _Requests:
-    """The requests of one stream, as grpc reads them (from a thread of its own)."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[pb.CallRequest | None] = queue.SimpleQueue()
-
-    def put(self, request: pb.CallRequest | None) -> None:
-        self._queue.put(request)
-
-    def __iter__(self) -> Iterator[pb.CallRequest]:
-        return self
-
-    def __next__(self) -> pb.CallRequest:
-        request = self._queue.get()
-        if request is _END:
-            raise StopIteration
-        return request
-
-
 _OVERDUE = Deadlines("tiercache-overdue", every=0.05)  # cancels the streams of calls past their timeout
 
 
@@ -55,7 +34,8 @@ class CallStream:
     def __init__(self, open_stream: Callable[[Iterator[pb.CallRequest]], Any]) -> None:
         self._open = open_stream
         self._lock = threading.Lock()
-        self._requests: _Requests | None = None
+        # the stream's requests, which grpc reads from a thread of its own until _END
+        self._requests: queue.SimpleQueue[pb.CallRequest | None] | None = None
         self._replies: Any = None  # grpc's iterator of replies, also the call to cancel
         self._closed = False
 
@@ -69,8 +49,8 @@ class CallStream:
             if self._closed:
                 return None
             if self._replies is None:
-                self._requests = _Requests()
-                self._replies = self._open(self._requests)
+                self._requests = queue.SimpleQueue()
+                self._replies = self._open(iter(self._requests.get, _END))
             self._requests.put(pb.CallRequest(timeout_seconds=timeout, **{kind: request}))
             with _OVERDUE.watching(self._replies, timeout) as overdue:
                 try:

@@ -240,7 +240,6 @@ def _rows_fields(rows: np.ndarray, packed: bool) -> dict[str, Any]:
     return {"kv_rows_packed": rows.astype("<u4").tobytes()} if packed else {"kv_rows": rows.tolist()}
 
 
-
 def _ready_event(device: torch.device | None) -> torch.cuda.Event | None:
     """An event after everything queued so far on the current stream (in-process)."""
     if device is None:
@@ -583,7 +582,7 @@ class Client:
 
     def stats(self) -> CacheStats:
         reply = answered(lambda: self._stub.Stats(pb.StatsRequest(), timeout=self.timeout,
-                                              metadata=self._metadata))
+                                                  metadata=self._metadata))
         return CacheStats(tuple(tier_stats_from_proto(t) for t in reply.tiers), dict(reply.counters),
                           reply.workers)
 

@@ -41,7 +41,6 @@ class GroupMember:
         return pb.Group(id=self.id, rank=self.rank, size=self.size)
 
 
-
 class Group:
     """A group as the daemon describes it now, and matches for all its ranks at once."""
 
@@ -51,7 +50,7 @@ class Group:
         self._stub = stub
         self._call: dict[str, Any] = {"timeout": timeout, "metadata": metadata}
         reply = answered(lambda: stub.DescribeGroup(pb.DescribeGroupRequest(group=group_id),
-                                                **self._call))
+                                                    **self._call))
         self.root = PageKey(reply.namespace_root)
         self.hash_name = reply.hash
         self.model_id = reply.model_id

@@ -63,9 +63,14 @@ def answered(call: Callable[[], T]) -> T:
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
+def status_from(number: int) -> grpc.StatusCode:
+    """The status code of its number, as CallReply.code gives it (UNKNOWN for none)."""
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def error_from(code: grpc.StatusCode | int, details: str) -> TiercacheError:
     """The domain error of a status code (or its number, as CallReply.code gives it)."""
-    status = code if isinstance(code, grpc.StatusCode) else _CODES.get(code, grpc.StatusCode.UNKNOWN)
+    status = code if isinstance(code, grpc.StatusCode) else status_from(code)
     return _ERRORS.get(status, TiercacheError)(f"{details} ({status.name})")
 
 

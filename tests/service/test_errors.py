@@ -11,7 +11,7 @@ from tests.service.worker_process import LAYOUT, prompt
 from tiercache.client import Client
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
-from tiercache.wire import layout_to_proto
+from tiercache.wire import layout_to_proto, status_from
 
 CODE = grpc.StatusCode
 
@@ -115,7 +115,7 @@ class _Failed(grpc.RpcError):
         self._reply = reply
 
     def code(self) -> grpc.StatusCode:
-        return next(c for c in CODE if c.value[0] == self._reply.code)
+        return status_from(self._reply.code)
 
     def details(self) -> str:
         return self._reply.details
