@@ -311,13 +311,15 @@ TIMELINE = ("daemon's call starts", "first copy queued", "GPU starts copying", "
 
 def _timeline(record: dict, start: float, reply: float, done: float) -> dict[str, float]:
     """One call on the worker's clock: ms after the worker started it (the daemon's
-    monotonic clock is the worker's: one machine)."""
+    monotonic clock is the worker's: one machine), and when each of the daemon's steps
+    first started ("match starts")."""
     at = record["at"] - start
     copies = record["gpu"] or [["", 0.0, 0.0, 0.0]]
     values = (at, at + min(c[1] for c in copies), at + min(c[2] for c in copies),
               at + max(c[3] for c in copies), sum(c[3] - c[2] for c in copies),
               at + record["ms"]["total"], reply, done)
-    return dict(zip(TIMELINE, values))
+    steps = {f"{step} starts": at + ms for step, ms in record["from"].items() if step != "total"}
+    return {**dict(zip(TIMELINE, values)), **steps}
 
 
 def _wall(calls: list[Wall], label: str, fn: Callable[[], object]) -> None:
@@ -396,9 +398,12 @@ def print_profile() -> None:
             rows.append(("empty RPC (health)", *(empty_ms,) * len(labels)))
             print_table(f"where the time goes: {title} (ms, median of 5; {how})", ["step", *labels], rows)
             if not sync:  # synchronised steps would stretch the timeline
+                events = sorted({k for line in lines.values() for k in line},  # by when; the
+                                key=lambda k: (k == "GPU copying (sum)",  # sum, a span, last
+                                               min(line.get(k, np.inf) for line in lines.values())))
                 print_table(f"when, on the worker's clock: {title} (ms after the worker's call "
                             "starts, median of 5)", ["event", *labels],
-                            [(k, *(lines[label][k] for label in labels)) for k in TIMELINE])
+                            [(k, *(lines[label].get(k, "-") for label in labels)) for k in events])
     print_copy_alone()
     print_beside_compute()
 

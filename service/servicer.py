@@ -220,9 +220,10 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             return self._load(request, context)
 
     def _load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
-        keys = self._keys(request.keys, context)
-        checks = self._checks(request.checks, keys)
-        rows = self._rows(request)
+        with trace.span("request"):
+            keys = self._keys(request.keys, context)
+            checks = self._checks(request.checks, keys)
+            rows = self._rows(request)
         with self._worker(request.worker_id, context) as worker:
             slot = request.slot if request.HasField("slot") else None
             # copies into CPU workers are synchronous anyway
@@ -247,12 +248,13 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
             return self._store(request, context)
 
     def _store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
-        keys = self._keys(request.keys, context)
-        checkpoints = {c.pages: c.slot for c in request.checkpoints}
-        if len(checkpoints) != len(request.checkpoints):
-            raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
-        checks = self._checks(request.checks, keys)
-        rows = self._rows(request)
+        with trace.span("request"):
+            keys = self._keys(request.keys, context)
+            checkpoints = {c.pages: c.slot for c in request.checkpoints}
+            if len(checkpoints) != len(request.checkpoints):
+                raise InvalidArgument("two checkpoints are offered at the same page: offer one per page")
+            checks = self._checks(request.checks, keys)
+            rows = self._rows(request)
         with self._worker(request.worker_id, context) as worker:
             keys = worker.engine_keys(keys)
             shared = self.fleet.before_store(worker, keys, request.event_tokens)

@@ -106,22 +106,25 @@ class Loads:
              alive: Callable[[], bool] | None = None) -> LoadResult:
         """See Engine.load (`keys` are distinct: the engine checked)."""
         layout = buffers.layout
-        dst = row_ids(rows, layout.page_rows, "kv row", unique=True)
+        with trace.span("check rows"):
+            dst = row_ids(rows, layout.page_rows, "kv row", unique=True)
+            dst_slot = np.empty(0, np.int64)
+            if layout.needs_checkpoint:
+                if slot is None:
+                    raise InvalidArgument("this layout has slot buffers: give the state slot to load into")
+                dst_slot = row_ids([slot], layout.slot_rows, "state slot")
         limit = len(dst) if layout.needs_pages else len(keys)
-        dst_slot = np.empty(0, np.int64)
-        if layout.needs_checkpoint:
-            if slot is None:
-                raise InvalidArgument("this layout has slot buffers: give the state slot to load into")
-            dst_slot = row_ids([slot], layout.slot_rows, "state slot")
         damaged = 0
         for _ in range(_ATTEMPTS):
-            self.reap()
+            with trace.span("reap"):
+                self.reap()
             with trace.span("match"):
                 hit = self.books.match(layout, keys[:limit], None if checks is None else checks[:limit],
                                        pin=True)
             if hit.match.pages == 0:
                 return LoadResult(hit.match, {}, damaged)
-            transfer.wait_for(ready, "load")
+            with trace.span("order"):  # the copies wait for the worker's ready mark
+                transfer.wait_for(ready, "load")
             jobs: list[Job] = []  # a layout without paged buffers loads its checkpoint only
             if layout.needs_pages:
                 jobs.append((Group.pages(buffers, transfer), hit.page_rows, dst[:hit.match.pages]))

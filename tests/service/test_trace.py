@@ -26,8 +26,9 @@ def test_a_daemon_asked_to_trace_writes_each_store_and_load_step_by_step(tmp_pat
     calls = [json.loads(line) for line in trace.read_text().splitlines()]
     assert [c["call"] for c in calls] == ["Store", "Load"]
     store, load = (c["ms"] for c in calls)
-    assert {"prepare", "claim", "reserve", "copy", "fence", "publish", "total"} <= set(store)
-    assert {"match", "locate", "copy", "fence", "settle", "total"} <= set(load)
+    assert {"request", "prepare", "claim", "reserve", "copy", "fence", "publish", "total"} <= set(store)
+    assert {"request", "check rows", "reap", "match", "order", "locate", "copy", "fence", "settle",
+            "total"} <= set(load)
     for steps in (store, load):
         assert sum(v for k, v in steps.items() if k != "total") <= steps["total"] * 1.01
     assert before < calls[0]["at"] < calls[1]["at"] < after  # one clock for worker and daemon
@@ -37,4 +38,6 @@ def test_a_daemon_asked_to_trace_writes_each_store_and_load_step_by_step(tmp_pat
         assert all(0 <= starts[k] <= call["ms"]["total"] for k in starts if k != "total")
         assert call["gpu"] == []  # copies on a GPU only (tests/gpu)
     assert calls[0]["from"]["prepare"] < calls[0]["from"]["claim"] < calls[0]["from"]["publish"]
-    assert calls[1]["from"]["match"] < calls[1]["from"]["locate"] < calls[1]["from"]["copy"]
+    assert calls[0]["from"]["request"] < calls[0]["from"]["prepare"]
+    order = ["request", "check rows", "reap", "match", "order", "locate", "copy", "fence", "settle"]
+    assert sorted(order, key=calls[1]["from"].get) == order
