@@ -157,6 +157,7 @@ class Runner:
         self._name = name
         self._cond = threading.Condition()
         self._kicked = self._busy = self._stopping = False
+        self._due: float | None = None  # a kick to come by itself then (time.monotonic)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -174,6 +175,12 @@ class Runner:
         """There may be work: run `step` until it finds none."""
         with self._cond:
             self._kicked = True
+            self._cond.notify_all()
+
+    def kick_at(self, due: float) -> None:
+        """A kick that comes by itself at `due` (time.monotonic), unless one comes first."""
+        with self._cond:
+            self._due = due if self._due is None else min(self._due, due)
             self._cond.notify_all()
 
     def drain(self) -> None:
@@ -203,7 +210,11 @@ class Runner:
         while True:
             with self._cond:
                 while not self._kicked and not self._stopping:
-                    self._cond.wait()
+                    left = None if self._due is None else self._due - time.monotonic()
+                    if left is not None and left <= 0:
+                        self._kicked, self._due = True, None
+                    else:
+                        self._cond.wait(left)
                 if not self._kicked:
                     return
                 self._kicked, self._busy = False, True
@@ -220,9 +231,22 @@ class Runner:
                     self._cond.notify_all()
 
 
+# A store's entries are copied down from the device tier this long after it published
+# them. The copy down's bookkeeping takes the books' lock and the interpreter for a
+# millisecond or more, and the call most likely to come right behind a store is a load
+# of the same prefix: a 32k reload from the device right behind its store took 5.2x a
+# d2d copy with the copy down at once, 2.9-3.1x deferred 50 ms, as much as an idle
+# daemon's (H100, benchmarks/RESULTS.md, twenty-first round). A copy down is never
+# urgent: an eviction from the device copies down whatever has no host copy yet, and
+# `drain` (a flush, an eviction from the device tier, the daemon stopping) does the
+# deferred ones at once.
+COPY_DOWN_DELAY = 0.05
+
+
 class Background:
     """The work off the request path, on one `Runner`: writes to disk, copies down,
-    promotions (`promote`, from promotions.py), in the order they were asked for."""
+    promotions (`promote`, from promotions.py), in the order they were asked for
+    (copies down once they are due: COPY_DOWN_DELAY)."""
 
     def __init__(self, books: Books, mover: Mover, writes: WriteConfig,
                  promote: Callable[[], bool]) -> None:
@@ -233,7 +257,8 @@ class Background:
         self.stopped = False
         # rows to write to disk, oldest first, and markers a durable store waits on
         self._to_write: deque[np.ndarray | threading.Event] = deque()
-        self._to_host: deque[np.ndarray] = deque()  # device rows to copy down, oldest first
+        # device rows to copy down, oldest first, each after the time it is due at
+        self._to_host: deque[tuple[float, np.ndarray]] = deque()
 
     @property
     def running(self) -> bool:
@@ -248,7 +273,9 @@ class Background:
         self.runner.kick()
 
     def drain(self) -> None:
-        """Wait until the work asked for so far is done; raise what failed meanwhile."""
+        """Wait until the work asked for so far is done, copies down not yet due too;
+        raise what failed meanwhile."""
+        self._hurry()
         self.runner.drain()
         with self._lock:
             error, self._error = self._error, None
@@ -258,6 +285,7 @@ class Background:
     def stop(self) -> None:
         """Finish the work asked for, end the thread, and wake durable stores waiting (they
         find their rows unwritten)."""
+        self._hurry()
         self.runner.stop()
         with self._lock:
             self.stopped = True
@@ -274,7 +302,10 @@ class Background:
         if self._promote():
             return True
         with self._lock:
-            down = self._to_host.popleft() if self._to_host else None
+            due = self._to_host[0][0] if self._to_host else None
+            down = self._to_host.popleft()[1] if due is not None and due <= time.monotonic() else None
+        if down is None and due is not None:
+            self.runner.kick_at(due)  # the next copy down, when it is due
         if down is not None:
             batch = self.books.begin_copy_down(down)
             if batch is not None:
@@ -307,11 +338,21 @@ class Background:
 
     def stored_on_device(self, rows: np.ndarray) -> None:
         """Entries were just published in the device tier: copy them down to the host in the
-        background, so that evicting them from the device later costs nothing."""
+        background, COPY_DOWN_DELAY from now, so that evicting them from the device later
+        costs nothing."""
         if len(rows):
+            due = time.monotonic() + COPY_DOWN_DELAY
             with self._lock:
-                self._to_host.append(np.asarray(rows, np.int64))
-            self.kick()
+                self._to_host.append((due, np.asarray(rows, np.int64)))
+            self.runner.kick_at(due)
+
+    def _hurry(self) -> None:
+        """Make the copies down not yet due, due now."""
+        with self._lock:
+            if not self._to_host:
+                return
+            self._to_host = deque((0.0, rows) for _, rows in self._to_host)
+        self.kick()
 
     def stored(self, rows: np.ndarray) -> None:
         """Entries were just published in the host: write them through, or clean ahead of
