@@ -92,7 +92,7 @@ class _Books:
 
 
 def test_copies_down_wait_their_delay_each_and_a_drain_does_them_at_once(monkeypatch):
-    monkeypatch.setattr(background_module, "COPY_DOWN_DELAY", 0.2)
+    monkeypatch.setattr(background_module, "COPY_DOWN_DELAY", 1.0)
     books = _Books()
     mover = SimpleNamespace(copy_down=lambda batch: None)
     background = Background(books, mover, WriteConfig(), promote=lambda: False)
@@ -109,12 +109,12 @@ def test_copies_down_wait_their_delay_each_and_a_drain_does_them_at_once(monkeyp
     while len(books.copied) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [rows for _, rows in books.copied] == [[1, 2], [3]]
-    assert books.copied[0][0] >= first + 0.2 and books.copied[1][0] >= second + 0.2
+    assert books.copied[0][0] >= first + 1.0 and books.copied[1][0] >= second + 1.0
     # 2. a drain (a flush, an eviction from the device, the daemon stopping) does not wait
     background.stored_on_device(np.array([4]))
     started = time.monotonic()
     background.drain()
-    assert books.copied[-1][1] == [4] and books.copied[-1][0] - started < 0.2
+    assert books.copied[-1][1] == [4] and books.copied[-1][0] - started < 1.0
     # 3. nor does stopping
     background.stored_on_device(np.array([5]))
     background.stop()
