@@ -236,17 +236,19 @@ class Runner:
 # millisecond or more, and the call most likely to come right behind a store is a load
 # of the same prefix: a 32k reload from the device right behind its store took 5.2x a
 # d2d copy with the copy down at once, 2.9-3.1x deferred 50 ms, as much as an idle
-# daemon's (H100, benchmarks/RESULTS.md, twenty-first round). A copy down is never
-# urgent: an eviction from the device copies down whatever has no host copy yet, and
-# `drain` (a flush, an eviction from the device tier, the daemon stopping) does the
-# deferred ones at once.
+# daemon's (H100, benchmarks/RESULTS.md, twenty-first round). A copy down is not urgent
+# for the device tier's own GPU: an eviction from the device copies down whatever has
+# no host copy yet, and `drain` (a flush, an eviction from the device tier, the daemon
+# stopping) does the deferred ones at once. It is for workers elsewhere (on the CPU, on
+# another GPU), which read device entries from their host copies: once one calls, the
+# engine has them copied down at once (`copy_down_at_once`).
 COPY_DOWN_DELAY = 0.05
 
 
 class Background:
     """The work off the request path, on one `Runner`: writes to disk, copies down,
     promotions (`promote`, from promotions.py), in the order they were asked for
-    (copies down once they are due: COPY_DOWN_DELAY)."""
+    (copies down once they are due: COPY_DOWN_DELAY, or at once: `copy_down_at_once`)."""
 
     def __init__(self, books: Books, mover: Mover, writes: WriteConfig,
                  promote: Callable[[], bool]) -> None:
@@ -259,6 +261,7 @@ class Background:
         self._to_write: deque[np.ndarray | threading.Event] = deque()
         # device rows to copy down, oldest first, each after the time it is due at
         self._to_host: deque[tuple[float, np.ndarray]] = deque()
+        self.copy_down_delay = COPY_DOWN_DELAY  # 0 once a worker away from the device calls
 
     @property
     def running(self) -> bool:
@@ -338,13 +341,21 @@ class Background:
 
     def stored_on_device(self, rows: np.ndarray) -> None:
         """Entries were just published in the device tier: copy them down to the host in the
-        background, COPY_DOWN_DELAY from now, so that evicting them from the device later
+        background, `copy_down_delay` from now, so that evicting them from the device later
         costs nothing."""
         if len(rows):
-            due = time.monotonic() + COPY_DOWN_DELAY
+            due = time.monotonic() + self.copy_down_delay
             with self._lock:
                 self._to_host.append((due, np.asarray(rows, np.int64)))
             self.runner.kick_at(due)
+
+    def copy_down_at_once(self) -> None:
+        """From now on, copy each store's entries down as soon as it published them, and
+        the deferred ones now: a worker away from the device tier's GPU reads their host
+        copies."""
+        if self.copy_down_delay:
+            self.copy_down_delay = 0.0
+            self._hurry()
 
     def _hurry(self) -> None:
         """Make the copies down not yet due, due now."""

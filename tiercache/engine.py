@@ -198,8 +198,11 @@ class Engine:
 
     def _transfer_for(self, buffers: WorkerBuffers) -> Transfer:
         """The copy path for a worker's buffers, chosen by the device they live on. The
-        first GPU that workers bring gets the device tier, if one is configured."""
+        first GPU that workers bring gets the device tier, if one is configured. A worker
+        anywhere else reads device entries from their host copies: from its first call
+        on, stores are copied down at once (Background.copy_down_at_once)."""
         if buffers.device.type != "cuda":
+            self.background.copy_down_at_once()
             return self.transfer
         with self.books.lock:  # one transfer per GPU, made once
             index = buffers.device.index or 0
@@ -210,7 +213,10 @@ class Engine:
                                                           self._cuda[index].streams))
                     self.mover.device_transfer = self._cuda[index]
                     self._start_background()
-            return self._cuda[index]
+            transfer = self._cuda[index]
+        if transfer is not self.mover.device_transfer:
+            self.background.copy_down_at_once()
+        return transfer
 
     def prepare(self, buffers: WorkerBuffers) -> None:
         """Ready the copies of a worker's buffers before its first call: on a GPU, build

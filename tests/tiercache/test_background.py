@@ -119,3 +119,21 @@ def test_copies_down_wait_their_delay_each_and_a_drain_does_them_at_once(monkeyp
     background.stored_on_device(np.array([5]))
     background.stop()
     assert books.copied[-1][1] == [5]
+
+
+def test_copies_down_go_at_once_from_the_first_call_of_a_worker_away_from_the_device(monkeypatch):
+    # a worker on the CPU or another GPU reads device entries from their host copies: the
+    # deferred ones go now, and later ones as soon as their store published them
+    monkeypatch.setattr(background_module, "COPY_DOWN_DELAY", 30.0)
+    books = _Books()
+    background = Background(books, SimpleNamespace(copy_down=lambda batch: None), WriteConfig(),
+                            promote=lambda: False)
+    background.start()
+    background.stored_on_device(np.array([1]))
+    background.copy_down_at_once()
+    background.stored_on_device(np.array([2]))
+    deadline = time.monotonic() + 10
+    while len(books.copied) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [rows for _, rows in books.copied] == [[1], [2]]
+    background.stop()

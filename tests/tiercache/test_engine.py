@@ -359,3 +359,14 @@ def test_a_layout_of_states_only_loads_its_checkpoint(tmp_path):
             assert engine.evict(None, Tier.HOST) == 2
             other = random_buffers(layout, seed=4)
     engine.close()
+
+
+def test_a_worker_away_from_the_device_tier_has_stores_copied_down_at_once():
+    # it reads device entries from their host copies (Background.copy_down_at_once); a
+    # CPU worker is one, from its first call
+    engine = open_engine()
+    assert engine.background.copy_down_delay > 0
+    worker = random_buffers(LAYOUT, 1)
+    engine.store(worker, prompt_keys(LAYOUT, seed=1, pages=4), range(4), {4: 0})
+    assert engine.background.copy_down_delay == 0
+    engine.close()
