@@ -23,7 +23,7 @@ from tiercache.arrays import distinct
 from tiercache.counters import Counters, EvictReason
 from tiercache.errors import FailedPrecondition
 from tiercache.hashing import PageKey, key_list
-from tiercache.index import Hit, Index
+from tiercache.index import ANY_TIER, Hit, Index
 from tiercache.joint import JointHit, Member, joint_hit
 from tiercache.layout import Layout
 from tiercache.metrics import byte_counters
@@ -76,13 +76,14 @@ class Books:
 
     # -- lookups --------------------------------------------------------------------------
     def match(self, layout: Layout, keys: np.ndarray, checks: np.ndarray | None = None,
-              pin: bool = False) -> Hit:
-        """The longest hybrid match, its entries marked used (and pinned, if asked and any)."""
+              pin: bool = False, readable: int = ANY_TIER) -> Hit:
+        """The longest hybrid match of entries in the tiers `readable` to the caller (a bit
+        mask of Tier), its entries marked used (and pinned, if asked and any)."""
         with self.lock:
             self.check_open()
             self.index.tick()
             hit = self.index.match(keys, layout.page_tokens, layout.page_bytes,
-                                   layout.checkpoint_bytes, checks)
+                                   layout.checkpoint_bytes, checks, readable)
             self.index.touch(hit.rows)
             if pin and hit.match.pages:
                 self.index.pin(hit.rows)

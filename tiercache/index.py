@@ -45,6 +45,9 @@ class Candidates:
     value: np.ndarray  # FLOPs saved per byte held, as the engine rated it at store time
 
 
+ANY_TIER = 0xFF  # `readable` tiers: every one (a bit mask of Tier)
+
+
 def best_tiers(masks: np.ndarray) -> np.ndarray:
     """The best (lowest) tier bit of each mask."""
     masks = masks.astype(np.int16)
@@ -124,18 +127,19 @@ class Index:
     def in_tier(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
         return (self._cols["tiers"][rows] & int(tier)) != 0
 
-    def usable(self, rows: np.ndarray, nbytes: int, checks: np.ndarray | None = None) -> np.ndarray:
+    def usable(self, rows: np.ndarray, nbytes: int, checks: np.ndarray | None = None,
+               readable: int = ANY_TIER) -> np.ndarray:
         """`rows` (of keys looked up), with -1 where the entry cannot serve this caller: it
-        is not `nbytes` long (an entry of another layout under the same key: reading it
-        would hand over bytes the caller's namespace never stored, invariant 5), or its
-        check differs from the caller's (another prompt under the same key, a collision).
-        An entry stored without checks (0: its caller gave keys, not tokens) has no check
-        to compare."""
+        is in none of the tiers `readable` to it (a bit mask of Tier), it is not `nbytes`
+        long (an entry of another layout under the same key: reading it would hand over
+        bytes the caller's namespace never stored, invariant 5), or its check differs from
+        the caller's (another prompt under the same key, a collision). An entry stored
+        without checks (0: its caller gave keys, not tokens) has no check to compare."""
         if not len(rows):
             return rows
         at = np.maximum(rows, 0)
         looked = rows >= 0
-        found = looked & (self._cols["tiers"][at] != 0)  # a claimed entry is not there yet
+        found = looked & ((self._cols["tiers"][at] & readable) != 0)  # a claimed entry: in none
         foreign = found & (self._cols["nbytes"][at] != nbytes)
         unusable = foreign | (looked ^ found)
         if checks is not None:
@@ -148,9 +152,9 @@ class Index:
         self.foreign += int(foreign.sum())
         return np.where(unusable, -1, rows)
 
-    def _usable_one(self, row: int, nbytes: int, check: int | None) -> bool:
+    def _usable_one(self, row: int, nbytes: int, check: int | None, readable: int = ANY_TIER) -> bool:
         """`usable` of one row, on Python numbers (a dozen numpy calls less)."""
-        if row < 0 or not self._cols["tiers"][row]:
+        if row < 0 or not self._cols["tiers"][row] & readable:
             return False
         if self._cols["nbytes"][row] != nbytes:
             self.foreign += 1
@@ -181,18 +185,19 @@ class Index:
         return pages[0], pages[1], marks[0], marks[1]
 
     def match(self, keys: np.ndarray, page_tokens: int, page_bytes: int, checkpoint_bytes: int,
-              checks: np.ndarray | None = None) -> Hit:
+              checks: np.ndarray | None = None, readable: int = ANY_TIER) -> Hit:
         """Largest n with pages k_1..k_n in some tier and a checkpoint at k_n, of entries of
         the caller's sizes (0 bytes: the layout has no such entries and needs none). With
-        `checks` (one per key), an entry whose check differs counts as missing."""
-        page_rows = (self.usable(self._maps[Kind.PAGE].lookup(keys), page_bytes, checks)
+        `checks` (one per key), an entry whose check differs counts as missing; so does one
+        in none of the tiers `readable` to the caller (a bit mask of Tier)."""
+        page_rows = (self.usable(self._maps[Kind.PAGE].lookup(keys), page_bytes, checks, readable)
                      if page_bytes else np.empty(0, np.int64))
         missing = np.flatnonzero(page_rows < 0)
         walked = int(missing[0]) if missing.size else len(keys)
         pages, checkpoint_row = walked, None
         if checkpoint_bytes:
             pages, checkpoint_row = self._deepest_checkpoint(
-                keys[:walked], checkpoint_bytes, None if checks is None else checks[:walked])
+                keys[:walked], checkpoint_bytes, None if checks is None else checks[:walked], readable)
         rows = page_rows[:pages] if page_bytes else page_rows
         if pages == len(keys):
             stop = StopReason.END_OF_PROMPT
@@ -203,22 +208,22 @@ class Index:
         tiers = self._cols["tiers"]
         match = Match(
             pages=pages, tokens=pages * page_tokens, prompt_pages=len(keys),
-            tier_codes=best_tiers(tiers[rows]).tobytes(),
-            checkpoint_tier=None if checkpoint_row is None else _best_tier(int(tiers[checkpoint_row])),
+            tier_codes=best_tiers(tiers[rows] & readable).tobytes(),
+            checkpoint_tier=None if checkpoint_row is None else _best_tier(int(tiers[checkpoint_row]) & readable),
             stop=stop, kv_pages=walked if page_bytes else pages)
         return Hit(match, rows, checkpoint_row)
 
-    def _deepest_checkpoint(self, keys: np.ndarray, nbytes: int, checks: np.ndarray | None
-                            ) -> tuple[int, int | None]:
+    def _deepest_checkpoint(self, keys: np.ndarray, nbytes: int, checks: np.ndarray | None,
+                            readable: int = ANY_TIER) -> tuple[int, int | None]:
         """(pages, row) of the checkpoint at the deepest of `keys` that has one; (0, None)."""
         checkpoints = self._maps[Kind.CHECKPOINT]
         if not len(keys):
             return 0, None
         last = checkpoints.get(keys[-1])
-        if self._usable_one(last, nbytes, None if checks is None else int(checks[-1])):
+        if self._usable_one(last, nbytes, None if checks is None else int(checks[-1]), readable):
             return len(keys), last  # the usual case: the hit ends at a checkpoint
         rows = self.usable(checkpoints.lookup(keys[:-1]), nbytes,
-                           None if checks is None else checks[:-1])
+                           None if checks is None else checks[:-1], readable)
         found = np.flatnonzero(rows >= 0)
         return (0, None) if not found.size else (int(found[-1]) + 1, int(rows[found[-1]]))
 

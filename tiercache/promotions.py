@@ -74,7 +74,8 @@ class Promotions:
         with self._lock:
             if not self.accepting:
                 return 0
-            rows = rows[~self.books.in_tier(rows, Tier.HOST)]
+            # not those in a memory tier: an entry still only on the device is on no disk
+            rows = rows[~self.books.in_tier(rows, Tier.HOST | Tier.DEVICE)]
             rows = rows[~self._owned(rows)]
             if not len(rows):
                 return 0

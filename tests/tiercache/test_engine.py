@@ -5,7 +5,8 @@ import pytest
 
 from tiercache.engine import Engine, EngineConfig
 from tiercache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from tiercache.results import StopReason, Tier
+from tiercache.hashing import distinct_keys
+from tiercache.results import Kind, StopReason, Tier
 from tiercache.layout import Layout
 from tiercache.policy import AdmissionConfig, PolicyConfig
 from tiercache.tiers.disk import DiskConfig
@@ -370,3 +371,30 @@ def test_a_worker_away_from_the_device_tier_has_stores_copied_down_at_once():
     engine.store(worker, prompt_keys(LAYOUT, seed=1, pages=4), range(4), {4: 0})
     assert engine.background.copy_down_delay == 0
     engine.close()
+
+
+def test_entries_only_on_the_device_are_no_disk_entries_to_promote_or_load(tmp_path):
+    # Entries a device-tier worker stored are only on the device until the background copies
+    # them down. A prefetch (a Match's, or its own call) moves disk entries to the host, and
+    # a worker away from the device reads host and disk entries: before the fix both took
+    # these for disk entries, found no record and dropped them as damaged. The device tier
+    # needs a GPU: its entries are made in the index directly.
+    engine = open_engine(tmp_path)
+    keys = prompt_keys(LAYOUT, seed=1, pages=4)
+    chain = distinct_keys(keys)
+    with engine.books.lock:
+        pages = engine.books.index.publish(Kind.PAGE, chain, [1, 2, 3, 4], LAYOUT.page_bytes,
+                                           Tier.DEVICE, slots=range(4))
+        state = engine.books.index.publish(Kind.CHECKPOINT, chain[3:], [4], LAYOUT.checkpoint_bytes,
+                                           Tier.DEVICE, slots=[100])
+    match = engine.match(LAYOUT, keys, prefetch=True)
+    assert match.pages == 4 and match.checkpoint_tier == Tier.DEVICE
+    assert engine.prefetch(LAYOUT, keys) == 0
+    # a worker away from the device tier's GPU (here on the CPU) reads device entries from
+    # their host copies: until they are copied down, it misses them
+    loaded = engine.load(random_buffers(LAYOUT, seed=2), keys, range(10, 14), slot=1)
+    assert loaded.match.pages == 0 and loaded.damaged == 0
+    engine.drain()
+    rows = np.concatenate([pages, state])
+    assert engine.stats().counters["prefetches"] == 0
+    assert engine.books.in_tier(rows, Tier.DEVICE).all()

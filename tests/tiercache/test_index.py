@@ -145,3 +145,25 @@ def test_a_key_repeated_in_one_publish_is_refused_and_changes_nothing():
     # the same keys once each publish as usual
     rows = index.publish(Kind.PAGE, KEYS[:2], [1, 2], 100, Tier.HOST, slots=[0, 1])
     assert list(index.rows_of(Kind.PAGE, KEYS[:2])) == list(rows)
+
+
+def test_a_caller_that_cannot_read_a_tier_misses_what_is_only_there():
+    # a worker away from the device tier's GPU reads device entries from their host
+    # copies: pages 1-2 and the checkpoint at 2 are in the host, pages 3-4 and the
+    # checkpoint at 4 only on the device
+    index = stored(pages=[1, 2], checkpoints=[2])
+    index.publish(Kind.PAGE, KEYS[2:4], [3, 4], 100, Tier.DEVICE, slots=[5, 6])
+    index.publish(Kind.CHECKPOINT, KEYS[3:4], [4], 999, Tier.DEVICE, slots=[105])
+    index.publish(Kind.PAGE, KEYS[:1], [1], 100, Tier.DEVICE, slots=[7])  # page 1 in both
+    keys = KEYS[:4]
+    everywhere = index.match(keys, 16, page_bytes=100, checkpoint_bytes=999).match
+    assert everywhere.pages == 4 and everywhere.checkpoint_tier == Tier.DEVICE
+    away = index.match(keys, 16, page_bytes=100, checkpoint_bytes=999,
+                       readable=Tier.HOST | Tier.DISK).match
+    assert away.pages == 2 and away.stop == StopReason.MISSING_PAGE
+    assert away.page_tiers == (Tier.HOST, Tier.HOST) and away.checkpoint_tier == Tier.HOST
+    # the checkpoint alone only on the device: the hit stops at the one below it
+    index.publish(Kind.PAGE, KEYS[2:4], [3, 4], 100, Tier.HOST, slots=[8, 9])
+    away = index.match(keys, 16, page_bytes=100, checkpoint_bytes=999,
+                       readable=Tier.HOST | Tier.DISK).match
+    assert away.pages == 2 and away.stop == StopReason.NO_CHECKPOINT
