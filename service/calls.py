@@ -17,19 +17,16 @@ only a message that breaks these rules ends it.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from typing import Any, Callable
 
 import grpc
 
+from tiercache_service.errors import answer_of
 from tiercache_service.logs import REQUEST_ID, REQUEST_ID_HEADER, request_id
-from tiercache.errors import InvalidArgument, TiercacheError
+from tiercache.errors import InvalidArgument
 from tiercache.v1 import tiercache_pb2 as pb
-from tiercache.wire import details_of, status_of
-
-log = logging.getLogger("tiercache.service")
 
 # what each message's end is told: (method, status, seconds, request id, details)
 Observe = Callable[[str, grpc.StatusCode, float, str, str], None]
@@ -76,11 +73,8 @@ def answer(message: pb.CallRequest, kind: str, handle: Callable[[Any, Any], Any]
     try:
         reply = pb.CallReply(request_id=rid, **{kind: handle(getattr(message, kind),
                                                              MessageContext(stream, message.timeout_seconds))})
-    except TiercacheError as error:
-        code, details = status_of(error), details_of(error)
-    except Exception:  # noqa: BLE001 - answered INTERNAL without internals, as a call is
-        log.exception("%s failed", method)
-        code, details = grpc.StatusCode.INTERNAL, f"{method} failed inside the daemon: see its log"
+    except Exception as error:  # noqa: BLE001 - answered as a call of its own is
+        code, details = answer_of(error, method)
     finally:
         REQUEST_ID.reset(token)
     observe(method, code, time.perf_counter() - start, rid, details)

@@ -14,12 +14,20 @@ from tiercache.wire import details_of, status_of
 log = logging.getLogger("tiercache.service")
 
 
+def answer_of(error: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status and details a call that raised `error` is answered with: a domain
+    error's own; anything else is logged (call it where the error is handled) and
+    answered INTERNAL without internals. Also each message of a Calls stream
+    (service/calls.py)."""
+    if isinstance(error, TiercacheError):
+        return status_of(error), details_of(error)
+    log.exception("%s failed", method)
+    return grpc.StatusCode.INTERNAL, f"{method} failed inside the daemon: see its log"
+
+
 def _guard(behaviour: Callable, method: str, streaming: bool) -> Callable:
     def abort(error: Exception, context: grpc.ServicerContext) -> None:
-        if isinstance(error, TiercacheError):
-            context.abort(status_of(error), details_of(error))
-        log.exception("%s failed", method)
-        context.abort(grpc.StatusCode.INTERNAL, f"{method} failed inside the daemon: see its log")
+        context.abort(*answer_of(error, method))
 
     def unary(request: Any, context: grpc.ServicerContext) -> Any:
         try:
