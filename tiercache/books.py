@@ -205,6 +205,12 @@ class Books:
         with self.lock:
             return self.index.in_tier(rows, tier)
 
+    def disk_only(self, rows: np.ndarray) -> np.ndarray:
+        """Those of `rows` (present entries) in no memory tier: what a promotion moves. An
+        entry still only on the device, not yet copied down, is on no disk."""
+        with self.lock:
+            return rows[~self.index.in_tier(rows, Tier.HOST | Tier.DEVICE)]
+
     def cached_pages(self, chain: np.ndarray) -> int:
         """How many leading pages of the chain are cached, in any tier."""
         with self.lock:

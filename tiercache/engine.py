@@ -407,12 +407,11 @@ class Engine:
             started = self.promotions.start(hit.rows)
             self.background.kick()
             return started
-        # the entries in no memory tier: one still only on the device is on no disk
-        on_disk = lambda rows: rows[~self.books.in_tier(rows, Tier.HOST | Tier.DEVICE)]  # noqa: E731
-        jobs = [(Group(Kind.PAGE, (), [], layout.page_bytes, self.transfer), on_disk(hit.page_rows), None)]
+        jobs = [(Group(Kind.PAGE, (), [], layout.page_bytes, self.transfer),
+                 self.books.disk_only(hit.page_rows), None)]
         if hit.checkpoint_row is not None:
             jobs.append((Group(Kind.CHECKPOINT, (), [], layout.checkpoint_bytes, self.transfer),
-                         on_disk(np.array([hit.checkpoint_row])), None))
+                         self.books.disk_only(np.array([hit.checkpoint_row])), None))
         return self.loads.deliver(hit.rows, jobs, self.transfer).promoted
 
     def evict(self, keys: Keys | None = None, tier: Tier | None = None, *,

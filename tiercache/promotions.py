@@ -19,7 +19,7 @@ import numpy as np
 
 from tiercache.background import Mover
 from tiercache.books import Books
-from tiercache.results import Kind, Tier
+from tiercache.results import Kind
 
 
 @dataclass(eq=False)  # identity: `_moves.remove` must not compare the row arrays
@@ -74,8 +74,7 @@ class Promotions:
         with self._lock:
             if not self.accepting:
                 return 0
-            # not those in a memory tier: an entry still only on the device is on no disk
-            rows = rows[~self.books.in_tier(rows, Tier.HOST | Tier.DEVICE)]
+            rows = self.books.disk_only(rows)
             rows = rows[~self._owned(rows)]
             if not len(rows):
                 return 0
