@@ -48,21 +48,26 @@ def _checked(result: tuple, what: str) -> None:
         raise RuntimeError(f"{what} failed: {result[0]!r}")
 
 
+# The driver's calls act in the calling thread's current context: a stream of another GPU
+# than the current one is refused (CUDA_ERROR_INVALID_VALUE, a worker on a second GPU of
+# its process). So each call makes the stream's GPU current for its length.
 def wait_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
     """Queue on `stream` a wait until the word at `address` reaches `value` (cyclic)."""
     d = _driver()
-    _checked(d.cuStreamWaitValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(address),
-                                   d.cuuint32_t(value), d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
-             "cuStreamWaitValue32")
+    with torch.cuda.device(stream.device):
+        _checked(d.cuStreamWaitValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(address),
+                                       d.cuuint32_t(value), d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+                 "cuStreamWaitValue32")
 
 
 def write_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
     """Queue on `stream` a write of `value` into the word at `address`."""
     d = _driver()
-    _checked(d.cuStreamWriteValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(address),
-                                    d.cuuint32_t(value),
-                                    d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
-             "cuStreamWriteValue32")
+    with torch.cuda.device(stream.device):
+        _checked(d.cuStreamWriteValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(address),
+                                        d.cuuint32_t(value),
+                                        d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+                 "cuStreamWriteValue32")
 
 
 _OWN: dict[int, torch.cuda.ExternalStream] = {}

@@ -345,7 +345,7 @@ class CudaTransfer:
         first, then = (kernel, pcie) if to_slots else (pcie, kernel)
         done = 0
         try:
-            with ring.lock, torch.cuda.stream(kernel):
+            with ring.lock, torch.cuda.device(self.device), torch.cuda.stream(kernel):
                 # the rows, uploaded right before the first launch: a load's first copy into
                 # the ring is queued before them
                 on_device = None
@@ -362,7 +362,7 @@ class CudaTransfer:
                             if stream is pcie:
                                 copy_engines.copy(*ends, sizes[pieces], pcie.cuda_stream)
                             else:
-                                if on_device is None:  # from pageable memory: ~0.1 ms of CPU
+                                if on_device is None:  # from pageable memory: 15-25 us of CPU
                                     on_device = torch.from_numpy(rows).to(self.device, non_blocking=True)
                                 copy_rows(table, on_device[done:done + count],
                                           ring.slots(stride)[half][:count], to_slots)
@@ -413,8 +413,9 @@ class CudaTransfer:
         meta[0], meta[1] = rows, addresses
         with torch.cuda.stream(stream), trace.gpu(direction, stream):
             # from pageable memory: the driver stages these few KiB before it returns, in
-            # stream order (page-locking them took ~0.5 ms a launch, a new block whenever
-            # the last one was still in use by a copy in flight)
+            # stream order, in 15-25 us of CPU (H200, up to 43 KiB). Page-locking them took
+            # ~0.5 ms a launch, a new block whenever the last one was still in use by a copy
+            # in flight; copied through page-locked blocks kept for it, 75-95 us (RESULTS.md)
             on_device = torch.from_numpy(meta).to(self.device, non_blocking=True)
             copy_rows(table, on_device[0], on_device[1], to_slots)  # on the current stream
 
@@ -435,8 +436,8 @@ class CudaTransfer:
         nothing queued, if the driver refused them (then the caller's kernel copies them,
         and every copy after them goes by the kernel)."""
         stream = self._streams[direction]
-        try:
-            with trace.gpu(direction, stream):
+        try:  # the driver's call acts in the current context: this GPU's (signals.py)
+            with torch.cuda.device(self.device), trace.gpu(direction, stream):
                 copy_engines.copy(dsts, srcs, sizes, stream.cuda_stream)
             return True
         except copy_engines.CopyEngineError as error:

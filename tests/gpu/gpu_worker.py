@@ -22,6 +22,7 @@ GPU work; prints "ok" if every entry holds the bytes from before, no post waited
 host, a prompt larger than the outbox was stored as `store` does, and bad posts (and any
 post once the worker is closed) were refused.
 slow: an asynchronous store queued behind 6 s of GPU work; prints "replied", ends when told.
+two_gpus: workers on two GPUs loading each other's stores (needs two GPUs); prints "ok".
 hold: stores one prompt, prints "stored", then waits to be killed.
 """
 
@@ -47,13 +48,14 @@ def layout(row_bytes: int, buffers: int, rows: int) -> Layout:
                   slots=(BufferSpec("state", 8, (row_bytes // 4,), "float32"),))
 
 
-def register(address: str, shape: Layout, seed: int, timeout: float = 30.0, **options):
-    """A worker of `layout`'s shape with buffers filled from `seed`; `options` go to
-    Client.register (an outbox)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    tensors = {b.name: torch.randint(-2**15, 2**15, b.shape, dtype=torch.int16, device="cuda",
+def register(address: str, shape: Layout, seed: int, timeout: float = 30.0, device: str = "cuda",
+             **options):
+    """A worker of `layout`'s shape with buffers on `device` filled from `seed`; `options`
+    go to Client.register (an outbox)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {b.name: torch.randint(-2**15, 2**15, b.shape, dtype=torch.int16, device=device,
                                      generator=gen).view(torch.bfloat16) for b in shape.paged}
-    tensors["state"] = torch.randn(shape.slots[0].shape, device="cuda", generator=gen)
+    tensors["state"] = torch.randn(shape.slots[0].shape, device=device, generator=gen)
     worker = Client(address, timeout=timeout).register("gpu-test", shape, buffers=tensors, **options)
     return worker, tensors
 
@@ -275,6 +277,57 @@ def posted(address: str, seed: int) -> None:
     print("ok" if not problems else f"bad: {problems}", flush=True)
 
 
+def two_gpus(address: str, seed: int) -> None:
+    """Two workers of one process on two GPUs, sharing the daemon. `near` registers first,
+    on the second GPU, so the device tier goes there; `away`, on the first GPU, reads
+    device entries from their host copies. `away` loads `near`'s prompts right after they
+    are stored, while they may still be only on the device: each hit must be exact, a
+    miss is allowed until the copies down are done, and no entry may be lost. Then `near`
+    loads `away`'s stores, and its own again."""
+    shape = layout(16384, 4, rows=4 * PAGES)
+    near, near_t = register(address, shape, seed, device="cuda:1")
+    source = {name: bits(t).cpu() for name, t in near_t.items()}
+    for n in range(4):
+        near.store(prompt(70 + n), kv_rows=range(n * PAGES, (n + 1) * PAGES), checkpoints={PAGES * 16: n})
+    away, away_t = register(address, shape, seed + 1, device="cuda:0")
+    problems, misses = [], 0
+
+    def loaded(worker, tensors, n: int, rows: range, slot: int, want: dict, want_rows: range,
+               want_slot: int) -> int:
+        for t in tensors.values():
+            bits(t).fill_(0xA5)
+        result = worker.load(prompt(70 + n), kv_rows=rows, slot=slot)
+        got = {name: bits(t).cpu() for name, t in tensors.items()}
+        if result.match.pages and not (result.match.pages == PAGES and torch.equal(
+                got["state"][slot], want["state"][want_slot]) and all(
+                torch.equal(got[f"kv{i}"][list(rows)], want[f"kv{i}"][list(want_rows)]) for i in range(4))):
+            problems.append(f"prompt {n}: {result.match.pages} pages, not the stored bytes")
+        return result.match.pages
+
+    for n in range(4):
+        deadline = time.monotonic() + 10
+        while not loaded(away, away_t, n, range(2 * PAGES, 3 * PAGES), 7, source,
+                         range(n * PAGES, (n + 1) * PAGES), n):
+            misses += 1
+            if time.monotonic() > deadline:
+                problems.append(f"prompt {n}: still a miss for the other GPU's worker after 10 s")
+                break
+    for t in away_t.values():
+        bits(t).random_(0, 256)
+    away_source = {name: bits(t).cpu() for name, t in away_t.items()}
+    for n in (4, 5):
+        away.store(prompt(70 + n), kv_rows=range(n * PAGES - 4 * PAGES, n * PAGES - 3 * PAGES),
+                   checkpoints={PAGES * 16: n})
+    for n in range(6):
+        want, rows = (source, range(n * PAGES, (n + 1) * PAGES)) if n < 4 else (
+            away_source, range((n - 4) * PAGES, (n - 3) * PAGES))
+        if loaded(near, near_t, n, range(3 * PAGES, 4 * PAGES), 6, want, rows, n) != PAGES:
+            problems.append(f"prompt {n}: a miss for the device tier's worker")
+    near.close()
+    away.close()
+    print("ok" if not problems else f"bad: {problems}", f"misses {misses}", flush=True)
+
+
 def slow(address: str, seed: int) -> None:
     """An asynchronous store whose copies wait behind seconds of this worker's GPU work:
     prints "replied" at once, and ends when told to."""
@@ -313,4 +366,5 @@ if __name__ == "__main__":
         roundtrip(address, seed, *map(int, sys.argv[4:7]))
     else:
         {"stream": stream, "ordered": ordered, "reuse": reuse, "behind": behind,
-         "unanswered": unanswered, "slow": slow, "posted": posted}.get(mode, hold)(address, seed)
+         "unanswered": unanswered, "slow": slow, "posted": posted,
+         "two_gpus": two_gpus}.get(mode, hold)(address, seed)

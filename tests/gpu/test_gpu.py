@@ -111,6 +111,16 @@ def test_a_store_behind_one_tenants_gpu_work_holds_back_that_tenants_calls_only(
         assert others < 2 < own, (others, own)  # the 6 s of GPU work: acme's calls only
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_workers_on_two_gpus_read_each_others_entries_exactly(tmp_path):
+    # the device tier goes to the first worker's GPU (the second here); the other GPU's
+    # worker reads from host copies, even right after the stores, before they go down
+    with running_daemon(tmp_path, "--device-budget", "1GiB", "--host-budget", "1GiB",
+                        "--no-disk") as (address, _):
+        out = finish(worker("two_gpus", address, "12"))
+        assert out.startswith("ok"), out
+
+
 def test_a_killed_worker_is_unmapped_and_others_are_served(tmp_path):
     with running_daemon(tmp_path, "--host-budget", "1GiB", "--no-disk") as (address, daemon):
         holder = worker("hold", address, "3")
