@@ -376,7 +376,7 @@ class DoneMark:
         self._recorded = False
 
     def record(self, stream: torch.cuda.Stream | None = None) -> None:
-        stream = stream or torch.cuda.current_stream()
+        stream = stream or torch.cuda.current_stream(self._device)
         write_value(stream, self.address, self.value)
         self._own.record(stream)
         self._recorded = True
