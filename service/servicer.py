@@ -210,7 +210,7 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                 else:
                     match = self.engine.match(worker.layout, worker.engine_keys(keys),
                                               prefetch=request.prefetch, checks=checks,
-                                              scope=worker.identity.tenant)
+                                              scope=worker.identity.tenant, buffers=worker.buffers)
                 model = worker.namespace.model_id
         self.lookups.matched(model, request.keys, match.prompt_pages, match.pages)
         return pb.MatchResponse(match=match_to_proto(match))

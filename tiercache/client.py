@@ -692,7 +692,7 @@ class _Embedded:
 
     def match(self, prompt: Request, prefetch: bool) -> Match:
         return self._engine.match(self._buffers.layout, prompt.keys, prefetch=prefetch,
-                                  checks=_checks(prompt))
+                                  checks=_checks(prompt), buffers=self._buffers)
 
     def load(self, prompt: Request, rows: np.ndarray, slot: int | None, synchronous: bool) -> LoadResult:
         device = self._buffers.device if self._buffers.device.type == "cuda" else None

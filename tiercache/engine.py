@@ -27,7 +27,7 @@ from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.chores import ChoreStats, watched
 from tiercache.errors import InvalidArgument
 from tiercache.hashing import Keys, distinct_keys, key_array
-from tiercache.index import Index
+from tiercache.index import ANY_TIER, Index
 from tiercache.joint import Member
 from tiercache.load import Group, Loads
 from tiercache.metrics import Traffic
@@ -318,17 +318,20 @@ class Engine:
 
     # -- match, load, prefetch, evict ---------------------------------------------------------
     def match(self, layout: Any, keys: Keys, prefetch: bool = False, *,
-              checks: np.ndarray | None = None, scope: Hashable = None) -> Match:
+              checks: np.ndarray | None = None, scope: Hashable = None,
+              buffers: WorkerBuffers | None = None) -> Match:
         """The longest hybrid match of `keys` (of entries stored with the same `checks`,
         if given). With `prefetch`, the background thread starts promoting its disk entries
         to the host, so that the load that follows finds them there (a load of an entry
         still moving waits for it). Every call sees the entries of the stores of its
-        `scope` that replied before it (`store`)."""
+        `scope` that replied before it (`store`). Given the caller's `buffers`, it counts
+        only what that worker's load would read (Mover.readable)."""
         self.stores.publishing.settle(scope)
         chain = distinct_keys(keys)
         checks = checks_of(checks, chain)
         self.loads.reap()
-        hit = self.books.match(layout, chain, checks)
+        readable = ANY_TIER if buffers is None else self.mover.readable(self._transfer_for(buffers))
+        hit = self.books.match(layout, chain, checks, readable=readable)
         if prefetch and hit.match.pages:
             self._prefetch_in_background(hit.rows)
         extension = self._remote_extension(layout, chain, checks, hit.match)

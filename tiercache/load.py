@@ -25,7 +25,6 @@ from tiercache.books import Books
 from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import DeadlineExceeded, InvalidArgument
 from tiercache.hashing import Keys
-from tiercache.index import ANY_TIER
 from tiercache.metrics import Traffic
 from tiercache.promotions import Placed, Promotions
 from tiercache.results import Kind, LoadResult, Match, StopReason, Tier
@@ -115,9 +114,7 @@ class Loads:
                     raise InvalidArgument("this layout has slot buffers: give the state slot to load into")
                 dst_slot = row_ids([slot], layout.slot_rows, "state slot")
         limit = len(dst) if layout.needs_pages else len(keys)
-        # a worker away from the device tier's GPU (on the CPU, another GPU) reads its
-        # entries from their host copies: until an entry is copied down, a miss for it
-        readable = ANY_TIER if transfer is self.mover.device_transfer else ANY_TIER & ~Tier.DEVICE
+        readable = self.mover.readable(transfer)
         damaged = 0
         for _ in range(_ATTEMPTS):
             with trace.span("reap"):

@@ -391,8 +391,10 @@ def test_entries_only_on_the_device_are_no_disk_entries_to_promote_or_load(tmp_p
     assert match.pages == 4 and match.checkpoint_tier == Tier.DEVICE
     assert engine.prefetch(LAYOUT, keys) == 0
     # a worker away from the device tier's GPU (here on the CPU) reads device entries from
-    # their host copies: until they are copied down, it misses them
-    loaded = engine.load(random_buffers(LAYOUT, seed=2), keys, range(10, 14), slot=1)
+    # their host copies: until they are copied down, it misses them, and its Match says so
+    away = random_buffers(LAYOUT, seed=2)
+    assert engine.match(LAYOUT, keys, buffers=away).pages == 0
+    loaded = engine.load(away, keys, range(10, 14), slot=1)
     assert loaded.match.pages == 0 and loaded.damaged == 0
     engine.drain()
     rows = np.concatenate([pages, state])
