@@ -202,18 +202,18 @@ class Engine:
         anywhere else reads device entries from their host copies: from its first call
         on, stores are copied down at once (Background.copy_down_at_once)."""
         if buffers.device.type != "cuda":
-            self.background.copy_down_at_once()
-            return self.transfer
-        with self.books.lock:  # one transfer per GPU, made once
-            index = buffers.device.index or 0
-            if index not in self._cuda:
-                self._cuda[index] = CudaTransfer.open(buffers.device)
-                if self.config.device is not None and self.books.device is None:
-                    self.books.attach_device(device_arena(self.config.device, buffers.device,
-                                                          self._cuda[index].streams))
-                    self.mover.device_transfer = self._cuda[index]
-                    self._start_background()
-            transfer = self._cuda[index]
+            transfer = self.transfer
+        else:
+            with self.books.lock:  # one transfer per GPU, made once
+                index = buffers.device.index or 0
+                if index not in self._cuda:
+                    self._cuda[index] = CudaTransfer.open(buffers.device)
+                    if self.config.device is not None and self.books.device is None:
+                        self.books.attach_device(device_arena(self.config.device, buffers.device,
+                                                              self._cuda[index].streams))
+                        self.mover.device_transfer = self._cuda[index]
+                        self._start_background()
+                transfer = self._cuda[index]
         if transfer is not self.mover.device_transfer:
             self.background.copy_down_at_once()
         return transfer
