@@ -32,6 +32,10 @@ from tiercache.tiers.arena import SlabPart, SlotPool
 from tiercache.transfer import Transfer
 
 _ATTEMPTS = 4  # a damaged entry found during a load drops it and retries the load
+# A load of this many bytes of pages or more from below the device tier is queued in two
+# parts: its first eighth, then the rest, so that the copy starts while the daemon still
+# locates and plans the rest (most of a large load's CPU before its first copy).
+SPLIT_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,15 @@ class Delivery:
 
 
 Job = tuple[Group, np.ndarray, np.ndarray | None]  # entries' rows, destination rows (or none)
+
+
+def _split(match: Match, page_bytes: int) -> list[slice]:
+    """The parts a load's pages are queued in (SPLIT_BYTES)."""
+    below = len(match.tier_codes) - match.tier_codes.count(Tier.DEVICE)
+    first = match.pages // 8
+    if below * page_bytes < SPLIT_BYTES or not first:
+        return [slice(0, match.pages)]
+    return [slice(0, first), slice(first, match.pages)]
 
 
 def _parts(pool: SlotPool, slots: np.ndarray, where: np.ndarray) -> list[SlabPart]:
@@ -128,7 +141,8 @@ class Loads:
                 transfer.wait_for(ready, "load")
             jobs: list[Job] = []  # a layout without paged buffers loads its checkpoint only
             if layout.needs_pages:
-                jobs.append((Group.pages(buffers, transfer), hit.page_rows, dst[:hit.match.pages]))
+                group = Group.pages(buffers, transfer)
+                jobs += [(group, hit.page_rows[part], dst[part]) for part in _split(hit.match, group.nbytes)]
             if hit.checkpoint_row is not None:
                 jobs.append((Group.checkpoints(buffers, transfer), np.array([hit.checkpoint_row]),
                              dst_slot))

@@ -3,6 +3,7 @@ import threading
 import numpy as np
 import pytest
 
+from tiercache import load
 from tiercache.engine import Engine, EngineConfig
 from tiercache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from tiercache.hashing import distinct_keys
@@ -151,6 +152,48 @@ def test_a_flipped_byte_in_lmdb_is_a_miss_never_served(tmp_path):
     assert same(slot_bytes(other, 5), slot_bytes(source, 1))
     assert engine.stats().counters["checksum_failures"] == 1
     assert engine.match(LAYOUT, keys).pages == 4  # and it stays a miss
+    engine.close()
+
+
+def test_a_large_load_is_queued_in_two_parts_and_fails_as_a_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(load, "SPLIT_BYTES", 16 * LAYOUT.page_bytes)
+    engine = open_engine(tmp_path)
+    source = random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=5, pages=32)
+    engine.store_pages(source, keys, range(32))
+    engine.store_checkpoint(source, keys[:8], slot=1)
+    engine.store_checkpoint(source, keys, slot=2)
+    scattered = []
+
+    def counted(engine):
+        real = engine.transfer.scatter
+        monkeypatch.setattr(engine.transfer, "scatter", lambda parts, buffers, offsets, rows: (
+            scattered.append(len(rows)), real(parts, buffers, offsets, rows)))
+    counted(engine)
+    other = random_buffers(LAYOUT, seed=9)
+    result = engine.load(other, keys, range(100, 132), slot=5)
+    # the first eighth of the pages, the rest, the checkpoint
+    assert result.match.pages == 32 and scattered == [4, 28, 1]
+    assert same(page_bytes(other, range(100, 132)), page_bytes(source, range(32)))
+    assert same(slot_bytes(other, 5), slot_bytes(source, 2))
+    scattered.clear()
+    assert engine.load(other, keys[:8], range(100, 108), slot=5).match.pages == 8
+    assert scattered == [8, 1]  # under SPLIT_BYTES: one part
+    engine.close()
+    # from disk, with a damaged page in the second part: dropped, and the load redone
+    # shorter, whole and exact (its first part's rows are rewritten by the shorter load)
+    flip_byte(str(tmp_path), 0, keys[20], 100)
+    engine = open_engine(tmp_path)
+    counted(engine)
+    scattered.clear()
+    other = random_buffers(LAYOUT, seed=10)
+    result = engine.load(other, keys, range(200, 232), slot=6)
+    assert result.match.pages == 8 and result.damaged == 1
+    # the first part and the checkpoint (the second part was found damaged before its
+    # copy), then the shorter load
+    assert scattered == [4, 1, 8, 1]
+    assert same(page_bytes(other, range(200, 208)), page_bytes(source, range(8)))
+    assert same(slot_bytes(other, 6), slot_bytes(source, 1))
     engine.close()
 
 
