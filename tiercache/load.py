@@ -32,10 +32,11 @@ from tiercache.tiers.arena import SlabPart, SlotPool
 from tiercache.transfer import Transfer
 
 _ATTEMPTS = 4  # a damaged entry found during a load drops it and retries the load
-# A load of this many bytes of pages or more from below the device tier is queued in two
-# parts: its first eighth, then the rest, so that the copy starts while the daemon still
-# locates and plans the rest (most of a large load's CPU before its first copy).
+# A copy of this many bytes of pages or more between the worker and the host is queued in
+# parts that grow: the first small, so that the GPU copies it while the daemon still
+# plans the rest (most of a large call's CPU comes before its first copy).
 SPLIT_BYTES = 128 << 20
+_FIRST_LOAD_PART = 16  # a large load's first part: a sixteenth of its pages
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,23 @@ class Delivery:
 Job = tuple[Group, np.ndarray, np.ndarray | None]  # entries' rows, destination rows (or none)
 
 
+def growing_parts(count: int, first: int) -> list[slice]:
+    """Slices covering range(count) in order: `first` items (at least one), then each
+    part twice the one before, the last taking the rest once it is under twice that."""
+    parts, start, size = [], 0, max(1, first)
+    while start < count:
+        end = count if count - start < 2 * size else start + size
+        parts.append(slice(start, end))
+        start, size = end, size * 2
+    return parts
+
+
 def _split(match: Match, page_bytes: int) -> list[slice]:
     """The parts a load's pages are queued in (SPLIT_BYTES)."""
     below = len(match.tier_codes) - match.tier_codes.count(Tier.DEVICE)
-    first = match.pages // 8
-    if below * page_bytes < SPLIT_BYTES or not first:
+    if below * page_bytes < SPLIT_BYTES:
         return [slice(0, match.pages)]
-    return [slice(0, first), slice(first, match.pages)]
+    return growing_parts(match.pages, match.pages // _FIRST_LOAD_PART)
 
 
 def _parts(pool: SlotPool, slots: np.ndarray, where: np.ndarray) -> list[SlabPart]:

@@ -35,7 +35,7 @@ from tiercache.buffers import WorkerBuffers, row_ids
 from tiercache.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted,
                              Unavailable)
 from tiercache.hashing import Keys, distinct_keys
-from tiercache.load import Group
+from tiercache.load import SPLIT_BYTES, Group, growing_parts
 from tiercache.metrics import Traffic
 from tiercache.policy import AdmissionConfig
 from tiercache.results import Kind, StoreResult, Tier
@@ -221,7 +221,7 @@ class Stores:
         device = group.transfer is self.mover.device_transfer
         flight = _Flight(self, job, group, stamp, Tier.DEVICE if device else Tier.HOST, published)
         try:
-            for part in [slice(0, len(keys))] if device else _parts(len(keys)):
+            for part in [slice(0, len(keys))] if device else _parts(len(keys), group.nbytes):
                 with trace.span("claim"):
                     claim = self.books.claim(group.kind, keys[part], depths[part], group.nbytes,
                                              values[part], stamp,
@@ -275,15 +275,13 @@ class Stores:
 _FIRST_PART = 512  # keys claimed before the first copy starts; each part after is 2x larger
 
 
-def _parts(count: int) -> list[slice]:
+def _parts(count: int, page_bytes: int) -> list[slice]:
     """The parts a store's keys are claimed in: 512, 1,024, 2,048, ... keys (claiming
     twice the keys takes the CPU less time than the GPU takes to copy a part's rows
-    into host memory, so the copies follow one another)."""
-    parts, start, size = [], 0, _FIRST_PART
-    while start < count:
-        parts.append(slice(start, min(count, start + size)))
-        start, size = start + size, size * 2
-    return parts
+    into host memory, so the copies follow one another); a store of SPLIT_BYTES or more
+    starts with an eighth of its keys, if fewer (pages of 1 MiB rows are many MiB each)."""
+    large = count * page_bytes >= SPLIT_BYTES
+    return growing_parts(count, min(_FIRST_PART, count // 8) if large else _FIRST_PART)
 
 
 @dataclass

@@ -155,7 +155,7 @@ def test_a_flipped_byte_in_lmdb_is_a_miss_never_served(tmp_path):
     engine.close()
 
 
-def test_a_large_load_is_queued_in_two_parts_and_fails_as_a_whole(tmp_path, monkeypatch):
+def test_a_large_load_is_queued_in_growing_parts_and_fails_as_a_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(load, "SPLIT_BYTES", 16 * LAYOUT.page_bytes)
     engine = open_engine(tmp_path)
     source = random_buffers(LAYOUT, seed=1)
@@ -172,8 +172,8 @@ def test_a_large_load_is_queued_in_two_parts_and_fails_as_a_whole(tmp_path, monk
     counted(engine)
     other = random_buffers(LAYOUT, seed=9)
     result = engine.load(other, keys, range(100, 132), slot=5)
-    # the first eighth of the pages, the rest, the checkpoint
-    assert result.match.pages == 32 and scattered == [4, 28, 1]
+    # a sixteenth of the pages, then parts twice as large, the last with the rest; the checkpoint
+    assert result.match.pages == 32 and scattered == [2, 4, 8, 18, 1]
     assert same(page_bytes(other, range(100, 132)), page_bytes(source, range(32)))
     assert same(slot_bytes(other, 5), slot_bytes(source, 2))
     scattered.clear()
@@ -182,16 +182,16 @@ def test_a_large_load_is_queued_in_two_parts_and_fails_as_a_whole(tmp_path, monk
     engine.close()
     # from disk, with a damaged page in the second part: dropped, and the load redone
     # shorter, whole and exact (its first part's rows are rewritten by the shorter load)
-    flip_byte(str(tmp_path), 0, keys[20], 100)
+    flip_byte(str(tmp_path), 0, keys[20], 100)  # in the last part
     engine = open_engine(tmp_path)
     counted(engine)
     scattered.clear()
     other = random_buffers(LAYOUT, seed=10)
     result = engine.load(other, keys, range(200, 232), slot=6)
     assert result.match.pages == 8 and result.damaged == 1
-    # the first part and the checkpoint (the second part was found damaged before its
+    # the first three parts and the checkpoint (the last part was found damaged before its
     # copy), then the shorter load
-    assert scattered == [4, 1, 8, 1]
+    assert scattered == [2, 4, 8, 1, 8, 1]
     assert same(page_bytes(other, range(200, 208)), page_bytes(source, range(8)))
     assert same(slot_bytes(other, 6), slot_bytes(source, 1))
     engine.close()

@@ -19,6 +19,7 @@ from tiercache.failpoints import InjectedFault
 from tiercache.hashing import key_array
 from tiercache.invariants import violations
 from tiercache.layout import BufferSpec, Layout
+from tiercache.load import growing_parts
 from tiercache.results import Kind
 from tiercache.store import _parts
 from tiercache.tiers.host import HostConfig
@@ -42,10 +43,15 @@ def loaded(engine: Engine, keys, source, rows) -> int:
 
 
 def test_parts_cover_the_keys_once_in_order():
-    for count in (0, 1, 511, 512, 513, 2560, 2561, 12_000):
-        covered = np.concatenate([np.arange(count)[p] for p in _parts(count)] or [np.empty(0, int)])
-        assert covered.tolist() == list(range(count))
-    assert [p.stop - p.start for p in _parts(3000)] == [512, 1024, 1464]
+    for count in (0, 1, 7, 511, 512, 513, 2560, 2561, 12_000):
+        for first in (1, 3, 512):
+            covered = np.concatenate([np.arange(count)[p] for p in growing_parts(count, first)]
+                                     or [np.empty(0, int)])
+            assert covered.tolist() == list(range(count))
+    assert [p.stop - p.start for p in _parts(3000, 4096)] == [512, 1024, 1464]
+    # a store of SPLIT_BYTES or more starts with an eighth of its keys, if under 512
+    assert [p.stop - p.start for p in _parts(21, 24 << 20)] == [2, 4, 15]
+    assert [p.stop - p.start for p in _parts(5461, 96 << 10)] == [512, 1024, 3925]
 
 
 def test_a_store_of_several_parts_counts_and_keeps_every_entry():
