@@ -180,9 +180,9 @@ def test_a_large_load_is_queued_in_growing_parts_and_fails_as_a_whole(tmp_path, 
     assert engine.load(other, keys[:8], range(100, 108), slot=5).match.pages == 8
     assert scattered == [8, 1]  # under SPLIT_BYTES: one part
     engine.close()
-    # from disk, with a damaged page in the second part: dropped, and the load redone
-    # shorter, whole and exact (its first part's rows are rewritten by the shorter load)
-    flip_byte(str(tmp_path), 0, keys[20], 100)  # in the last part
+    # from disk, with a damaged page in the last part: dropped, and the load redone
+    # shorter, whole and exact (the rows of its first parts are rewritten by the shorter load)
+    flip_byte(str(tmp_path), 0, keys[20], 100)
     engine = open_engine(tmp_path)
     counted(engine)
     scattered.clear()
