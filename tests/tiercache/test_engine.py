@@ -132,13 +132,20 @@ def test_restart_on_the_same_directory_still_hits(tmp_path):
     engine.close()
 
 
+def stored_with_two_checkpoints(engine: Engine, pages: int, early: int):
+    """A prompt's pages stored, with checkpoints after its first `early` pages (from
+    slot 1) and at its end (slot 2): its source buffers and keys."""
+    source = random_buffers(LAYOUT, seed=1)
+    keys = prompt_keys(LAYOUT, seed=5, pages=pages)
+    engine.store_pages(source, keys, range(pages))
+    engine.store_checkpoint(source, keys[:early], slot=1)
+    engine.store_checkpoint(source, keys, slot=2)
+    return source, keys
+
+
 def test_a_flipped_byte_in_lmdb_is_a_miss_never_served(tmp_path):
     engine = open_engine(tmp_path)
-    source = random_buffers(LAYOUT, seed=1)
-    keys = prompt_keys(LAYOUT, seed=5, pages=8)
-    engine.store_pages(source, keys, range(8))
-    engine.store_checkpoint(source, keys[:4], slot=1)
-    engine.store_checkpoint(source, keys, slot=2)
+    source, keys = stored_with_two_checkpoints(engine, pages=8, early=4)
     engine.close()
     # bit rot inside page 6's value
     flip_byte(str(tmp_path), 0, keys[5], 100)
@@ -158,11 +165,7 @@ def test_a_flipped_byte_in_lmdb_is_a_miss_never_served(tmp_path):
 def test_a_large_load_is_queued_in_growing_parts_and_fails_as_a_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(load, "SPLIT_BYTES", 16 * LAYOUT.page_bytes)
     engine = open_engine(tmp_path)
-    source = random_buffers(LAYOUT, seed=1)
-    keys = prompt_keys(LAYOUT, seed=5, pages=32)
-    engine.store_pages(source, keys, range(32))
-    engine.store_checkpoint(source, keys[:8], slot=1)
-    engine.store_checkpoint(source, keys, slot=2)
+    source, keys = stored_with_two_checkpoints(engine, pages=32, early=8)
     scattered = []
 
     def counted(engine):
