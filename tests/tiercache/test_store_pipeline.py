@@ -12,13 +12,14 @@ import torch
 
 from drills.worlds import (cpu_device_tier, hybrid_layout, page_bytes, prompt_keys, random_buffers,
                           same, slot_bytes)
-from tiercache import failpoints
+from tiercache import failpoints, store
 from tiercache.engine import Engine, EngineConfig
 from tiercache.errors import DeadlineExceeded, ResourceExhausted
 from tiercache.failpoints import InjectedFault
 from tiercache.hashing import key_array
 from tiercache.invariants import violations
 from tiercache.layout import BufferSpec, Layout
+from tiercache.policy import AdmissionConfig, PolicyConfig
 from tiercache.load import growing_parts
 from tiercache.results import Kind
 from tiercache.store import _parts
@@ -66,6 +67,22 @@ def test_a_store_of_several_parts_counts_and_keeps_every_entry():
     assert (result.stored, result.present, result.skipped) == (PAGES - len(held), len(held), 0)
     assert engine.match(LAYOUT, keys).pages == PAGES
     assert loaded(engine, keys, source, rows) == PAGES
+    assert violations(engine) == []
+    engine.close()
+
+
+def test_a_large_stores_checkpoints_claimed_in_parts_are_each_kept_exactly(monkeypatch):
+    monkeypatch.setattr(store, "SPLIT_BYTES", 1)  # every store is large: parts of 1 and 3
+    layout = hybrid_layout(page_rows=16, slot_rows=8)
+    engine = Engine.open(EngineConfig(host=HostConfig(budget_bytes=1 << 24, pin=False),
+                                      policy=PolicyConfig(admission=AdmissionConfig(offered="all"))))
+    source, keys = random_buffers(layout, seed=4), prompt_keys(layout, seed=4, pages=8)
+    offered = {2: 1, 4: 2, 6: 3, 8: 4}  # pages: slot
+    assert engine.store(source, keys, range(8), checkpoints=offered).checkpoints == (2, 4, 6, 8)
+    for pages, slot in offered.items():
+        target = random_buffers(layout, seed=40 + pages)
+        assert engine.load(target, keys[:pages], range(8, 8 + pages), slot=5).match.pages == pages
+        assert same(slot_bytes(target, 5), slot_bytes(source, slot))
     assert violations(engine) == []
     engine.close()
 
