@@ -275,12 +275,12 @@ class Stores:
 _FIRST_PART = 512  # keys claimed before the first copy starts; each part after is 2x larger
 
 
-def _parts(count: int, page_bytes: int) -> list[slice]:
+def _parts(count: int, entry_bytes: int) -> list[slice]:
     """The parts a store's keys are claimed in: 512, 1,024, 2,048, ... keys (claiming
     twice the keys takes the CPU less time than the GPU takes to copy a part's rows
     into host memory, so the copies follow one another); a store of SPLIT_BYTES or more
     starts with an eighth of its keys, if fewer (pages of 1 MiB rows are many MiB each)."""
-    large = count * page_bytes >= SPLIT_BYTES
+    large = count * entry_bytes >= SPLIT_BYTES
     return growing_parts(count, min(_FIRST_PART, count // 8) if large else _FIRST_PART)
 
 

@@ -19,8 +19,8 @@ from tiercache.failpoints import InjectedFault
 from tiercache.hashing import key_array
 from tiercache.invariants import violations
 from tiercache.layout import BufferSpec, Layout
-from tiercache.policy import AdmissionConfig, PolicyConfig
 from tiercache.load import growing_parts
+from tiercache.policy import AdmissionConfig, PolicyConfig
 from tiercache.results import Kind
 from tiercache.store import _parts
 from tiercache.tiers.host import HostConfig
