@@ -32,8 +32,9 @@ from tiercache.tiers.arena import SlabPart, SlotPool
 from tiercache.transfer import Transfer
 
 _ATTEMPTS = 4  # a damaged entry found during a load drops it and retries the load
-# A copy of this many bytes of pages or more between the worker and the host is queued in
-# parts that grow: the first small, so that the GPU copies it while the daemon still
+# A load of this many bytes of pages or more from below the device tier, and a store of
+# this many bytes of entries into the host tier (store._parts), are queued in parts that
+# grow (growing_parts): the first small, so that the GPU copies it while the daemon still
 # plans the rest (most of a large call's CPU comes before its first copy).
 SPLIT_BYTES = 128 << 20
 _FIRST_LOAD_PART = 16  # a large load's first part: a sixteenth of its pages
