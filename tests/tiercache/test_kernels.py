@@ -103,3 +103,16 @@ def test_prepared_kernels_are_loaded_both_ways_and_copy_exactly():
     back = torch.zeros_like(source)
     copy_rows(BufferTable.of([back], [0], DEVICE), torch.arange(4, device=DEVICE), slots, to_slots=False)
     assert torch.equal(back, source) and torch.equal(slab[2], source[0])
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter compiles no PTX")
+def test_whole_blocks_move_16_byte_vectors():
+    # the addresses' alignment hint must reach the pointers the copy reads and writes:
+    # given on the integer addresses before their cast, it was dropped, and every access
+    # was 4 bytes wide
+    from tiercache import kernels
+    kernels.prepare(DEVICE, [4096])
+    index = torch.empty(0, device=DEVICE).device.index
+    for to_slots in (True, False):
+        ptx = kernels._compiled[(index, to_slots, 1024)].asm["ptx"]
+        assert "ld.global.v4" in ptx and "st.global.v4" in ptx
