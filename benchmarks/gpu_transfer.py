@@ -20,9 +20,11 @@ worker's stream could write them again from the reply on), and by Worker.post (c
 the worker's outbox on its own stream; and, apart, until the daemon's reply), beside one
 device-to-device copy of the same bytes; and the reload time from the device tier (right
 behind the store, while the daemon copies its entries down to the host, and again once
-it is idle) and from the host tier, beside a device-to-device copy and a bulk pinned copy;
-and the floor of a call through gRPC against which the device-tier figures stand: an empty
-RPC (the health check) on the same daemon plus the device-to-device copy.
+it is idle; and, the daemon idle, by Worker.post_load until the bytes are in place on the
+worker's stream, its reply checked after, untimed) and from the host tier, beside a
+device-to-device copy and a bulk pinned copy; and the floor of a call through gRPC against
+which the device-tier figures stand: an empty RPC (the health check) on the same daemon
+plus the device-to-device copy.
 
 With --daemon-cpus N, the daemons run as `--cpus <the first N CPUs> --spin` and this
 process (the worker) on the other CPUs: the daemon's threads stay on a few CPUs that never
@@ -240,6 +242,17 @@ def prefix_32k(address: str) -> dict[str, float]:
     device_s = median_seconds(reload, repeat=5)  # right behind the store: its copies down run
     copied_down(address, pages + 1)
     idle_s = median_seconds(reload, repeat=5)
+    loads = []
+
+    def reload_posted():  # until the bytes are in place on the worker's stream
+        loads.append(worker.post_load(keys=keys, kv_rows=dst, slot=1))
+        torch.cuda.current_stream().synchronize()
+
+    def reply_checked():  # the last posted load's reply, untimed
+        assert all(f.result().match.pages == pages for f in loads), [f.result() for f in loads]
+        loads.clear()
+    posted_s = median_seconds(reload_posted, repeat=5, setup=reply_checked)
+    reply_checked()
     assert all(torch.equal(tensors[b.name][dst].view(torch.int16), tensors[b.name][src].view(torch.int16))
                for b in layout.paged)
     host_s = median_seconds(reload, repeat=5, setup=lambda: worker.evict(keys=keys, tier=Tier.DEVICE))
@@ -261,12 +274,15 @@ def prefix_32k(address: str) -> dict[str, float]:
                  ("reload from device, behind its store", device_s * 1e3, "d2d copy", d2d_s * 1e3,
                   device_s / d2d_s),
                  ("reload from device, idle daemon", idle_s * 1e3, "d2d copy", d2d_s * 1e3, idle_s / d2d_s),
+                 ("reload from device, posted: bytes in place", posted_s * 1e3, "d2d copy", d2d_s * 1e3,
+                  posted_s / d2d_s),
                  ("reload from host", host_s * 1e3, "bulk h2d", h2d_s * 1e3, host_s / h2d_s),
                  ("empty RPC + d2d copy: the floor", (rpc_s + d2d_s) * 1e3, "d2d copy", d2d_s * 1e3,
                   (rpc_s + d2d_s) / d2d_s)])
     return {"store_32k_over_d2d": store_s / d2d_s, "post_32k_over_d2d": post_s / d2d_s,
             "post_replied_32k_over_d2d": replied_s / d2d_s, "reload_device_32k_over_d2d": device_s / d2d_s,
-            "reload_device_idle_32k_over_d2d": idle_s / d2d_s, "reload_host_32k_over_bulk": host_s / h2d_s,
+            "reload_device_idle_32k_over_d2d": idle_s / d2d_s,
+            "reload_device_posted_32k_over_d2d": posted_s / d2d_s, "reload_host_32k_over_bulk": host_s / h2d_s,
             "floor_32k_over_d2d": (rpc_s + d2d_s) / d2d_s}
 
 

@@ -43,15 +43,30 @@ class CallStream:
         """The reply to `request` (CallRequest's field `kind`), waited for at most
         `timeout` seconds; None when the stream is busy with another thread's call or
         closed (make it a call of its own then). A failed call raises its error."""
+        reply = self.start(kind, request, timeout)
+        return None if reply is None else reply()
+
+    def start(self, kind: str, request: Any, timeout: float) -> Callable[[], Any] | None:
+        """`send` in two halves: puts `request` on the stream now and returns what waits
+        for its reply (call it once, from any thread: the stream carries no other call
+        until then); None when the stream is busy or closed."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
             if self._closed:
+                self._lock.release()
                 return None
             if self._replies is None:
                 self._requests = queue.SimpleQueue()
                 self._replies = self._open(iter(self._requests.get, _END))
             self._requests.put(pb.CallRequest(timeout_seconds=timeout, **{kind: request}))
+        except BaseException:
+            self._lock.release()
+            raise
+        return lambda: self._reply(kind, timeout)
+
+    def _reply(self, kind: str, timeout: float) -> Any:
+        try:
             with _OVERDUE.watching(self._replies, timeout) as overdue:
                 try:
                     reply = next(self._replies)

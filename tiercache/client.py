@@ -25,7 +25,9 @@ until the rows are copied out (pass `synchronous=True` to either to wait on the 
 instead). A call made after a store returns sees its entries either way. A GPU worker
 with an outbox (`register(..., outbox_pages=N)`) may `post` a store instead: its rows are
 free once copied into the outbox on the stream, and the call goes from a thread
-(tiercache/outbox.py).
+(tiercache/outbox.py). `post_load` is `load` whose reply a thread waits for: the stream
+reads the rows once they are in place, before the worker knows whether the load did
+what it asked (check the future's result before using what that work produced).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
@@ -85,6 +87,7 @@ class Backend(Protocol):
 
     def match(self, prompt: Request, prefetch: bool) -> Match: ...
     def load(self, prompt: Request, rows: np.ndarray, slot: int | None, synchronous: bool) -> LoadResult: ...
+    def post_load(self, prompt: Request, rows: np.ndarray, slot: int | None) -> Future[LoadResult]: ...
     def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
               durable: bool, ready: Any = None, synchronous: bool = False) -> StoreResult: ...
     def evict(self, prompt: Request, tier: Tier | None) -> int: ...
@@ -129,6 +132,19 @@ class Worker:
         whatever the load returns or raises: through a daemon, a load that failed may have
         queued copies into the rows before it did."""
         return self._backend.load(self._packed(tokens, keys), _row_array(kv_rows), slot, synchronous)
+
+    def post_load(self, tokens: Any = None, *, keys: Keys | Chain | None = None,
+                  kv_rows: Sequence[int] = (), slot: int | None = None) -> Future[LoadResult]:
+        """`load`, without waiting for the daemon's reply: the current stream is made to
+        wait for the copies now, the call is sent, and a thread of the worker's waits for
+        its reply. Work
+        queued on the stream after this runs once the copies are done, before the reply
+        is known: use what it produced only if the future's LoadResult holds what that
+        work assumed (its match.pages), else compute it again (a load that fails or finds
+        less may have written some of the rows, or none). The future holds the result or
+        the call's error. Where the daemon cannot be ordered with the stream by signal
+        words (CPU workers, the embedded engine), this is `load`, in a future that is done."""
+        return self._backend.post_load(self._packed(tokens, keys), _row_array(kv_rows), slot)
 
     def store(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
               checkpoints: Mapping[int, int] | None = None, durable: bool = False,
@@ -249,6 +265,16 @@ def _ready_event(device: torch.device | None) -> torch.cuda.Event | None:
     return event
 
 
+def _done(call: Callable[[], T]) -> Future[T]:
+    """A future that is done: `call`'s result, or its error."""
+    done: Future[T] = Future()
+    try:
+        done.set_result(call())
+    except BaseException as error:  # noqa: BLE001 - the future holds it, as a posted call's would
+        done.set_exception(error)
+    return done
+
+
 class _Remote:
     def __init__(self, stub: pb_grpc.TiercacheStub, worker_id: str, stream: Any,
                  shared: SharedBuffers | None, device: torch.device | None, timeout: float,
@@ -268,6 +294,7 @@ class _Remote:
         self._daemon = daemon  # (pid, start) where this process can see the daemon's process
         # a thread of its own, no callback from grpc's threads (workers crashed at exit so)
         self._watcher = threading.Thread(target=self._watch, name="tiercache-release", daemon=True)
+        self._posted: ThreadPoolExecutor | None = None  # sends post_load's calls, made at the first
         if signals is not None:
             self._watcher.start()
 
@@ -293,6 +320,36 @@ class _Remote:
         # what callers may wait on from other streams: the copies are done when this
         # stream gets here (the pooled `done` is recorded again by later calls)
         return LoadResult(result.match, result.bytes_from, result.damaged, stream.record_event())
+
+    def post_load(self, prompt: Request, rows: np.ndarray, slot: int | None) -> Future[LoadResult]:
+        if self.signals is None:
+            return _done(lambda: self.load(prompt, rows, slot, False))
+        self.check_registered()
+        request = pb.LoadRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks, slot=slot,
+                                 **_rows_fields(rows, self._packed), asynchronous=True)
+        with self._lock:
+            if self._posted is None:
+                self._posted = ThreadPoolExecutor(1, thread_name_prefix="tiercache-load")
+        with self.signals.call() as call:  # the ready word, then the wait for the done word
+            call.await_done()
+        request.signal.slot, request.signal.value = call.slot, call.value
+        done = torch.cuda.current_stream(self._device).record_event()
+        reply = None
+        try:  # sent from this thread where the stream is free: a thread's wake-up sooner
+            reply = self._calls.start("load", request, self._timeout) if self._calls is not None else None
+            return self._posted.submit(self._load_posted, request, reply, call, done)
+        except BaseException:  # (closed meanwhile) the call ends here, settled if it must be
+            return _done(lambda: self._load_posted(request, reply, call, done))
+
+    def _load_posted(self, request: pb.LoadRequest, reply: Callable[[], Any] | None, call: Call,
+                     done: torch.cuda.Event) -> LoadResult:
+        """A posted load's reply (`reply` waits for it where it went on the stream of calls;
+        else it is sent now), or its error, the call settled if no reply came."""
+        with self._settled(call, awaited=True) as replied:
+            answer = reply() if reply is not None else self._sent("load", request, self._stub.Load)
+            replied()
+        result = load_from_proto(answer)
+        return LoadResult(result.match, result.bytes_from, result.damaged, done)
 
     def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
               durable: bool, ready: Any = None, synchronous: bool = False) -> StoreResult:
@@ -440,6 +497,8 @@ class _Remote:
         return not self._stream.done()  # the registration stream ends with the daemon
 
     def close(self) -> None:
+        if self._posted is not None:  # the loads posted so far sent and answered first
+            self._posted.shutdown(wait=True)
         if self.signals is not None and not self._stream.done():
             # the daemon releases the waits of a registration that ends: let this worker's
             # own work before them finish first (or its copies could run before it)
@@ -702,6 +761,9 @@ class _Embedded:
         if result.done is not None:
             torch.cuda.current_stream(device).wait_event(result.done)
         return result
+
+    def post_load(self, prompt: Request, rows: np.ndarray, slot: int | None) -> Future[LoadResult]:
+        return _done(lambda: self.load(prompt, rows, slot, False))
 
     def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
               durable: bool, ready: Any = None, synchronous: bool = False) -> StoreResult:

@@ -21,6 +21,11 @@ once by new writes to its rows, two at a time, one queued behind seconds of the 
 GPU work; prints "ok" if every entry holds the bytes from before, no post waited on the
 host, a prompt larger than the outbox was stored as `store` does, and bad posts (and any
 post once the worker is closed) were refused.
+post_load: loads sent with post_load, each queued behind seconds of the worker's GPU work
+that rewrites its rows, then read at once by a kernel on the same stream; a miss and a
+load the daemon refuses, also posted; prints "ok" if every post returned before that
+work was done, the kernels saw the loaded bytes (not the rewrites), the futures held
+the results and the refusal, and the stream waits on none of the failed posts.
 slow: an asynchronous store queued behind 6 s of GPU work; prints "replied", ends when told.
 two_gpus: workers on two GPUs loading each other's stores (needs two GPUs); prints "ok".
 hold: stores one prompt, prints "stored", then waits to be killed.
@@ -328,6 +333,45 @@ def two_gpus(address: str, seed: int) -> None:
     print("ok" if not problems else f"bad: {problems}", f"misses {misses}", flush=True)
 
 
+def post_load(address: str, seed: int) -> None:
+    shape = layout(1 << 20, 16, rows=64)  # 16 MiB a page: copies long enough to race
+    worker, tensors = register(address, shape, seed)
+    worker.store(prompt(0), kv_rows=range(PAGES), checkpoints={PAGES * 16: 0})
+    torch.cuda.synchronize()
+    source = {name: bits(t).clone() for name, t in tensors.items()}
+    stream, problems = torch.cuda.current_stream(), []
+    for n in range(3):
+        sleep_gpu(1)  # then rewrites of the rows the load writes: the copies come after them
+        for i in range(16):
+            bits(tensors[f"kv{i}"])[PAGES:2 * PAGES].fill_(n + 1)
+        bits(tensors["state"])[1].fill_(n + 1)
+        future = worker.post_load(prompt(0), kv_rows=range(PAGES, 2 * PAGES), slot=1)
+        if stream.query():
+            problems.append(f"post {n} waited for the GPU work before it")
+        # queued right away: must see the loaded bytes
+        same = torch.stack([(bits(tensors[f"kv{i}"])[PAGES:2 * PAGES] == source[f"kv{i}"][:PAGES]).all()
+                            for i in range(16)] + [(bits(tensors["state"])[1] == source["state"][0]).all()])
+        result = future.result(timeout=60)
+        if not bool(same.all()):
+            problems.append(f"post {n}: a kernel queued after it read other bytes")
+        if result.match.pages != PAGES or result.done is None:
+            problems.append(f"post {n}: {result}")
+    miss = worker.post_load(prompt(90), kv_rows=range(PAGES), slot=1)
+    refused = worker.post_load(prompt(0), kv_rows=range(PAGES), slot=99)
+    if miss.result(timeout=60).match.pages != 0:
+        problems.append(f"the miss loaded {miss.result().match.pages} pages")
+    if not isinstance(refused.exception(timeout=60), TiercacheError):
+        problems.append(f"the refused load: {refused.exception()!r}")
+    started = time.time()
+    while not stream.query() and time.time() - started < 10:
+        time.sleep(0.01)
+    if not stream.query():
+        print("bad: the stream still waits after the miss and the refusal", flush=True)
+        os._exit(1)  # a held stream would hold this process's exit too
+    print("ok" if not problems else f"bad: {problems}", flush=True)
+    worker.close()
+
+
 def slow(address: str, seed: int) -> None:
     """An asynchronous store whose copies wait behind seconds of this worker's GPU work:
     prints "replied" at once, and ends when told to."""
@@ -366,5 +410,5 @@ if __name__ == "__main__":
         roundtrip(address, seed, *map(int, sys.argv[4:7]))
     else:
         {"stream": stream, "ordered": ordered, "reuse": reuse, "behind": behind,
-         "unanswered": unanswered, "slow": slow, "posted": posted,
+         "unanswered": unanswered, "slow": slow, "posted": posted, "post_load": post_load,
          "two_gpus": two_gpus}.get(mode, hold)(address, seed)

@@ -67,6 +67,13 @@ def test_rows_written_right_after_a_post_do_not_reach_its_entries(tmp_path, tier
 
 
 @pytest.mark.parametrize("tier", ["host", "device"])
+def test_a_posted_load_is_read_in_stream_order_before_its_reply_is_waited_for(tmp_path, tier):
+    flags = ["--device-budget", "1GiB"] if tier == "device" else []
+    with running_daemon(tmp_path, "--host-budget", "2GiB", "--no-disk", *flags) as (address, _):
+        assert finish(worker("post_load", address, "10")) == "ok"
+
+
+@pytest.mark.parametrize("tier", ["host", "device"])
 def test_a_fresh_daemons_first_store_and_load_do_not_wait_for_the_workers_gpu_work(tmp_path, tier):
     # the copy kernels are loaded when the worker registers: loading one at the first
     # store or load waited for the worker's work queued before the call (seconds here)
