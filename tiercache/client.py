@@ -137,13 +137,13 @@ class Worker:
                   kv_rows: Sequence[int] = (), slot: int | None = None) -> Future[LoadResult]:
         """`load`, without waiting for the daemon's reply: the current stream is made to
         wait for the copies now, the call is sent, and a thread of the worker's waits for
-        its reply. Work
-        queued on the stream after this runs once the copies are done, before the reply
-        is known: use what it produced only if the future's LoadResult holds what that
-        work assumed (its match.pages), else compute it again (a load that fails or finds
-        less may have written some of the rows, or none). The future holds the result or
-        the call's error. Where the daemon cannot be ordered with the stream by signal
-        words (CPU workers, the embedded engine), this is `load`, in a future that is done."""
+        its reply. Work queued on the stream after this runs once the copies are done,
+        before the reply is known: use what it produced only if the future's LoadResult
+        holds what that work assumed (its match.pages), else compute it again (a load that
+        fails or finds less may have written some of the rows, or none). The future holds
+        the result or the call's error. Where the daemon cannot be ordered with the stream
+        by signal words (CPU workers, the embedded engine), this is `load`, in a future
+        that is done."""
         return self._backend.post_load(self._packed(tokens, keys), _row_array(kv_rows), slot)
 
     def store(self, tokens: Any = None, *, keys: Keys | Chain | None = None, kv_rows: Sequence[int] = (),
@@ -294,7 +294,8 @@ class _Remote:
         self._daemon = daemon  # (pid, start) where this process can see the daemon's process
         # a thread of its own, no callback from grpc's threads (workers crashed at exit so)
         self._watcher = threading.Thread(target=self._watch, name="tiercache-release", daemon=True)
-        self._posted: ThreadPoolExecutor | None = None  # sends post_load's calls, made at the first
+        # waits for post_load's replies (and sends its calls where the stream was busy)
+        self._posted: ThreadPoolExecutor | None = None
         if signals is not None:
             self._watcher.start()
 
