@@ -294,8 +294,9 @@ class _Remote:
         self._daemon = daemon  # (pid, start) where this process can see the daemon's process
         # a thread of its own, no callback from grpc's threads (workers crashed at exit so)
         self._watcher = threading.Thread(target=self._watch, name="tiercache-release", daemon=True)
-        # waits for post_load's replies (and sends its calls where the stream was busy)
-        self._posted: ThreadPoolExecutor | None = None
+        # waits for post_load's replies (and sends its calls where the stream was busy); its
+        # thread starts at the first post
+        self._posted = ThreadPoolExecutor(1, thread_name_prefix="tiercache-load")
         if signals is not None:
             self._watcher.start()
 
@@ -307,9 +308,7 @@ class _Remote:
     def load(self, prompt: Request, rows: np.ndarray, slot: int | None, synchronous: bool) -> LoadResult:
         asynchronous = self._device is not None and not synchronous
         with self._ordered(None, True, asynchronous) as (fields, replied):
-            request = pb.LoadRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
-                                     slot=slot, **fields, **_rows_fields(rows, self._packed),
-                                     asynchronous=asynchronous)
+            request = self._load_request(prompt, rows, slot, asynchronous, **fields)
             reply = self._sent("load", request, self._stub.Load)
             replied()
         result = load_from_proto(reply)
@@ -320,17 +319,18 @@ class _Remote:
             stream.wait_event(self._done.open(self._device, reply.done_event))
         # what callers may wait on from other streams: the copies are done when this
         # stream gets here (the pooled `done` is recorded again by later calls)
-        return LoadResult(result.match, result.bytes_from, result.damaged, stream.record_event())
+        return replace(result, done=stream.record_event())
+
+    def _load_request(self, prompt: Request, rows: np.ndarray, slot: int | None, asynchronous: bool,
+                      **fields: Any) -> pb.LoadRequest:
+        return pb.LoadRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks, slot=slot,
+                              **fields, **_rows_fields(rows, self._packed), asynchronous=asynchronous)
 
     def post_load(self, prompt: Request, rows: np.ndarray, slot: int | None) -> Future[LoadResult]:
         if self.signals is None:
             return _done(lambda: self.load(prompt, rows, slot, False))
         self.check_registered()
-        request = pb.LoadRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks, slot=slot,
-                                 **_rows_fields(rows, self._packed), asynchronous=True)
-        with self._lock:
-            if self._posted is None:
-                self._posted = ThreadPoolExecutor(1, thread_name_prefix="tiercache-load")
+        request = self._load_request(prompt, rows, slot, True)
         with self.signals.call() as call:  # the ready word, then the wait for the done word
             call.await_done()
         request.signal.slot, request.signal.value = call.slot, call.value
@@ -349,8 +349,7 @@ class _Remote:
         with self._settled(call, awaited=True) as replied:
             answer = reply() if reply is not None else self._sent("load", request, self._stub.Load)
             replied()
-        result = load_from_proto(answer)
-        return LoadResult(result.match, result.bytes_from, result.damaged, done)
+        return replace(load_from_proto(answer), done=done)
 
     def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
               durable: bool, ready: Any = None, synchronous: bool = False) -> StoreResult:
@@ -498,8 +497,7 @@ class _Remote:
         return not self._stream.done()  # the registration stream ends with the daemon
 
     def close(self) -> None:
-        if self._posted is not None:  # the loads posted so far sent and answered first
-            self._posted.shutdown(wait=True)
+        self._posted.shutdown(wait=True)  # the loads posted so far sent and answered first
         if self.signals is not None and not self._stream.done():
             # the daemon releases the waits of a registration that ends: let this worker's
             # own work before them finish first (or its copies could run before it)
