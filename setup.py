@@ -1,5 +1,6 @@
 """The C part of the package (tiercache/_keymap.c: the key map's probing loops and the
-repeat check of a request's keys; tiercache/_rows.c: row copies on the CPU;
+repeat check of a request's keys; tiercache/_index.c: the index's per-entry loop of a
+match; tiercache/_rows.c: row copies on the CPU;
 tiercache/_spin.c: a CPU kept out of idle for the daemon); everything else is in
 pyproject.toml. `pip install .` (or -e .) builds it; in a source tree without an install,
 `python setup.py build_ext --inplace` does (scripts/gpu-env.sh calls gcc itself: a GPU
@@ -8,5 +9,6 @@ image's setuptools may be too old for pyproject's metadata)."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("tiercache._keymap", ["tiercache/_keymap.c"]),
+                   Extension("tiercache._index", ["tiercache/_index.c"]),
                    Extension("tiercache._rows", ["tiercache/_rows.c"]),
                    Extension("tiercache._spin", ["tiercache/_spin.c"])])

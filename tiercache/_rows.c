@@ -1,5 +1,5 @@
-/* Row copies on the CPU between worker buffers and entry slots (tiercache/transfer.py's
-   CpuTransfer), the CPU's counterpart of the GPU kernel (kernels.py) with the same
+/* Worker rows: the check of a request's rows (buffers.row_ids), and row copies on the
+   CPU between worker buffers and entry slots (tiercache/transfer.py's CpuTransfer), the CPU's counterpart of the GPU kernel (kernels.py) with the same
    tables: per buffer its base address, row stride, row bytes and offset inside an entry
    (int64, 4 x buffers); per entry a worker row and the address of its slot.
 
@@ -109,7 +109,49 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The first row of `ids` (int64) outside [0, limit), or, with `unique`, the first that
+   repeats an earlier one: (position, 0 for out of range or 1 for a repeat), or None. One
+   pass over a bitmap of the buffer's rows, for the rows of every load and store. */
+static PyObject *check_rows(PyObject *self, PyObject *args) {
+    PyObject *ids_object;
+    long long limit;
+    int unique;
+    if (!PyArg_ParseTuple(args, "OLp", &ids_object, &limit, &unique))
+        return NULL;
+    Py_buffer ids_view;
+    if (int64s(ids_object, &ids_view, -1, "row ids") < 0)
+        return NULL;
+    const int64_t *ids = ids_view.buf;
+    Py_ssize_t n = ids_view.len / 8;
+    uint64_t *seen = NULL;
+    if (unique && n > 1 && limit > 0) {
+        seen = PyMem_Calloc((size_t)(limit + 63) / 64, sizeof(uint64_t));
+        if (seen == NULL) {
+            PyBuffer_Release(&ids_view);
+            return PyErr_NoMemory();
+        }
+    }
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < n && result == NULL; i++) {
+        int64_t id = ids[i];
+        if (id < 0 || id >= limit) {
+            result = Py_BuildValue("(ni)", i, 0);
+        } else if (seen != NULL) {
+            uint64_t bit = (uint64_t)1 << (id & 63);
+            if (seen[id >> 6] & bit)
+                result = Py_BuildValue("(ni)", i, 1);
+            seen[id >> 6] |= bit;
+        }
+    }
+    PyMem_Free(seen);
+    PyBuffer_Release(&ids_view);
+    return result != NULL || PyErr_Occurred() ? result : Py_NewRef(Py_None);
+}
+
 static PyMethodDef methods[] = {
+    {"check_rows", check_rows, METH_VARARGS,
+     "check_rows(ids, limit, unique) -> (position, why) or None: the first of the int64 "
+     "ids outside [0, limit) (why 0) or, if unique, repeating an earlier one (why 1)."},
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(table, rows, slots, to_slots): row rows[i] of every buffer of `table` "
      "(int64 4 x buffers: base, stride, width, offset) to (or from) the slot at address "

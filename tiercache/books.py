@@ -191,15 +191,13 @@ class Books:
         with self.lock:
             setattr(self.counters, counter, getattr(self.counters, counter) + n)
 
-    def locate(self, rows: np.ndarray, device_ok: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(on the device, device slots of those, host slots or -1) of pinned entries; the
-        device copies count only for workers on the device tier's GPU (`device_ok`)."""
+    def locate(self, rows: np.ndarray, device_ok: bool
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(on the device, device slots of those, host slots or -1, positions of those only
+        on disk) of pinned entries; the device copies count only for workers on the device
+        tier's GPU (`device_ok`)."""
         with self.lock:
-            on_device = (self.index.in_tier(rows, Tier.DEVICE) if device_ok
-                         else np.zeros(len(rows), bool))
-            in_host = self.index.in_tier(rows, Tier.HOST) & ~on_device
-            return (on_device, self.index.slots(rows[on_device], Tier.DEVICE),
-                    np.where(in_host, self.index.slots(rows, Tier.HOST), -1))
+            return self.index.locate(rows, device_ok)
 
     def in_tier(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
         with self.lock:

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from tiercache import _rows
 from tiercache.errors import InvalidArgument
 from tiercache.layout import BufferSpec, Layout, LayoutError, dtype_name
 
@@ -105,17 +106,12 @@ def int_ids(rows: Any, what: str) -> np.ndarray:
 
 def row_ids(rows: Any, limit: int, what: str, unique: bool = False) -> np.ndarray:
     """Row ids as int64, each in [0, limit); a clear error otherwise."""
-    ids = int_ids(rows, what)
-    if not ids.size:
-        return ids
-    bad = ids[(ids < 0) | (ids >= limit)]
-    if bad.size:
-        raise InvalidArgument(f"{what} {int(bad[0])} is out of range: the buffer has {limit} rows")
-    if unique:  # no sort: ids lie in [0, limit); a byte each (a count each took 3-4x longer
-        seen = np.zeros(limit, bool)  # for a 200k-row buffer: 37 -> 10 us)
-        seen[ids] = True
-        if np.count_nonzero(seen) != len(ids):
-            raise InvalidArgument(f"{what} repeat a row: every destination row must be distinct")
+    ids = np.ascontiguousarray(int_ids(rows, what))
+    wrong = _rows.check_rows(ids, limit, unique)  # one pass in C: a bitmap of the rows seen
+    if wrong is not None and wrong[1] == 0:
+        raise InvalidArgument(f"{what} {int(ids[wrong[0]])} is out of range: the buffer has {limit} rows")
+    if wrong is not None:
+        raise InvalidArgument(f"{what} repeat a row: every destination row must be distinct")
     return ids
 
 

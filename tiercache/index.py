@@ -11,10 +11,12 @@ engine serialises calls under its lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Sequence
 
 import numpy as np
 
+from tiercache import _index
 from tiercache.keymap import KeyMap
 from tiercache.results import ARENA_TIERS, TIERS, Kind, Match, StopReason, Tier
 
@@ -27,7 +29,7 @@ class Hit:
     page_rows: np.ndarray
     checkpoint_row: int | None
 
-    @property
+    @cached_property  # a load asks for them three times
     def rows(self) -> np.ndarray:
         extra = [] if self.checkpoint_row is None else [self.checkpoint_row]
         return np.concatenate([self.page_rows, np.asarray(extra, np.int64)]).astype(np.int64)
@@ -124,6 +126,19 @@ class Index:
     def slots(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
         return self._slot_column(tier)[rows].astype(np.int64)
 
+    def locate(self, rows: np.ndarray, device_ok: bool
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Where entries `rows` lie: (in the device tier, if `device_ok`: bool per row; the
+        device slots of those; per row its host slot if in the host tier and not on the
+        device, else -1; the positions of the rows in neither, which only the disk holds)."""
+        n = len(rows)
+        on_device, host, device, disk = (np.empty(n, bool), np.empty(n, np.int64),
+                                         np.empty(n, np.int64), np.empty(n, np.int64))
+        devices, disks = _index.locate(np.ascontiguousarray(rows, np.int64), self._cols["tiers"],
+                                       self._slot_column(Tier.HOST), self._slot_column(Tier.DEVICE),
+                                       device_ok, on_device, host, device, disk)
+        return on_device, device[:devices], host, disk[:disks]
+
     def in_tier(self, rows: np.ndarray, tier: Tier) -> np.ndarray:
         return (self._cols["tiers"][rows] & int(tier)) != 0
 
@@ -135,22 +150,21 @@ class Index:
         bytes the caller's namespace never stored, invariant 5), or its check differs from
         the caller's (another prompt under the same key, a collision). An entry stored
         without checks (0: its caller gave keys, not tokens) has no check to compare."""
+        return self._usable(rows, nbytes, checks, readable)[0]
+
+    def _usable(self, rows: np.ndarray, nbytes: int, checks: np.ndarray | None,
+                readable: int) -> tuple[np.ndarray, int]:
+        """`usable`, and the first position it marks -1 (len(rows) if none)."""
         if not len(rows):
-            return rows
-        at = np.maximum(rows, 0)
-        looked = rows >= 0
-        found = looked & ((self._cols["tiers"][at] & readable) != 0)  # a claimed entry: in none
-        foreign = found & (self._cols["nbytes"][at] != nbytes)
-        unusable = foreign | (looked ^ found)
-        if checks is not None:
-            stored = self._cols["check"][at]
-            clash = found & ~foreign & (stored != 0) & (stored != checks)
-            self.collisions += int(clash.sum())
-            unusable |= clash
-        if not unusable.any():
-            return rows
-        self.foreign += int(foreign.sum())
-        return np.where(unusable, -1, rows)
+            return rows, 0
+        out = np.empty(len(rows), np.int64)
+        first, foreign, collisions = _index.usable(np.ascontiguousarray(rows, np.int64), out, self._cols["tiers"],
+                                               self._cols["nbytes"], self._cols["check"], nbytes,
+                                               None if checks is None else np.ascontiguousarray(checks, np.uint64),
+                                               readable)
+        self.foreign += foreign
+        self.collisions += collisions
+        return out, first
 
     def _usable_one(self, row: int, nbytes: int, check: int | None, readable: int = ANY_TIER) -> bool:
         """`usable` of one row, on Python numbers (a dozen numpy calls less)."""
@@ -190,10 +204,8 @@ class Index:
         the caller's sizes (0 bytes: the layout has no such entries and needs none). With
         `checks` (one per key), an entry whose check differs counts as missing; so does one
         in none of the tiers `readable` to the caller (a bit mask of Tier)."""
-        page_rows = (self.usable(self._maps[Kind.PAGE].lookup(keys), page_bytes, checks, readable)
-                     if page_bytes else np.empty(0, np.int64))
-        missing = np.flatnonzero(page_rows < 0)
-        walked = int(missing[0]) if missing.size else len(keys)
+        page_rows, walked = (self._usable(self._maps[Kind.PAGE].lookup(keys), page_bytes, checks, readable)
+                             if page_bytes else (np.empty(0, np.int64), len(keys)))
         pages, checkpoint_row = walked, None
         if checkpoint_bytes:
             pages, checkpoint_row = self._deepest_checkpoint(

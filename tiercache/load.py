@@ -142,12 +142,11 @@ class Loads:
         readable = self.mover.readable(transfer)
         damaged = 0
         for _ in range(_ATTEMPTS):
-            with trace.span("reap"):
-                self.reap()
             with trace.span("match"):
                 hit = self.books.match(layout, keys[:limit], None if checks is None else checks[:limit],
                                        pin=True, readable=readable)
             if hit.match.pages == 0:
+                self.reap()
                 return LoadResult(hit.match, {}, damaged)
             with trace.span("order"):  # the copies wait for the worker's ready mark
                 transfer.wait_for(ready, "load")
@@ -159,6 +158,8 @@ class Loads:
                 jobs.append((Group.checkpoints(buffers, transfer), np.array([hit.checkpoint_row]),
                              dst_slot))
             done = self.deliver(hit.rows, jobs, transfer, asynchronous, done_event, alive)
+            with trace.span("reap"):  # the last loads' pins, after this one's copies are
+                self.reap()  # queued: not in their way
             damaged += len(done.damaged)
             if not done.damaged:
                 self.books.count("loads", 1)

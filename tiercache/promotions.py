@@ -91,8 +91,9 @@ class Promotions:
         copies are done), the others are staged. One decision under the registry's lock:
         no move can start or end half way through it."""
         with self._lock:
-            on_device, device_slots, host_slots = self.books.locate(rows, device_ok)
-            from_disk = np.flatnonzero((host_slots < 0) & ~on_device)
+            on_device, device_slots, host_slots, from_disk = self.books.locate(rows, device_ok)
+            if not len(from_disk):  # the usual case: every entry in memory
+                return Located(on_device, device_slots, host_slots, from_disk, None, [])
             owned = self._owned(rows[from_disk])
             promo = self.books.reserve_clean(nbytes, int((~owned).sum())) if (~owned).any() else []
             # the entries this load promotes first, then the ones it only stages

@@ -39,5 +39,5 @@ def test_a_daemon_asked_to_trace_writes_each_store_and_load_step_by_step(tmp_pat
         assert call["gpu"] == []  # copies on a GPU only (tests/gpu)
     assert calls[0]["from"]["prepare"] < calls[0]["from"]["claim"] < calls[0]["from"]["publish"]
     assert calls[0]["from"]["request"] < calls[0]["from"]["prepare"]
-    order = ["request", "check rows", "reap", "match", "order", "locate", "copy", "fence", "settle"]
+    order = ["request", "check rows", "match", "order", "locate", "copy", "fence", "settle", "reap"]
     assert sorted(order, key=calls[1]["from"].get) == order

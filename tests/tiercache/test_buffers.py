@@ -45,3 +45,21 @@ def test_a_list_of_ints_takes_the_fast_path(monkeypatch):
     assert np.array_equal(int_ids([4, 0, 7], "kv rows"), np.array([4, 0, 7]))
     with pytest.raises(AssertionError):  # and anything else goes the general way
         int_ids([4, -1], "kv rows")
+
+
+def test_the_row_check_finds_the_first_row_out_of_range_or_repeated():
+    rng = np.random.default_rng(3)
+    for _ in range(200):  # against the rule written out in numpy
+        limit = int(rng.integers(1, 300))
+        rows = rng.integers(-2, limit + 2, rng.integers(0, 40))
+        bad = np.flatnonzero((rows < 0) | (rows >= limit))
+        repeats = [i for i in range(len(rows)) if rows[i] in rows[:i]]
+        first = min([*bad[:1].tolist(), *repeats[:1]], default=None)
+        if first is None:
+            assert np.array_equal(row_ids(rows, limit, "kv row", unique=True), rows)
+            continue
+        why = "out of range" if first in bad else "repeat a row"
+        with pytest.raises(InvalidArgument, match=why):
+            row_ids(rows, limit, "kv row", unique=True)
+        if not len(bad):  # repeats are only refused when asked to be
+            assert np.array_equal(row_ids(rows, limit, "kv row"), rows)

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from tiercache.hashing import Namespace, key_array, page_keys
@@ -167,3 +168,38 @@ def test_a_caller_that_cannot_read_a_tier_misses_what_is_only_there():
     away = index.match(keys, 16, page_bytes=100, checkpoint_bytes=999,
                        readable=Tier.HOST | Tier.DISK).match
     assert away.pages == 2 and away.stop == StopReason.NO_CHECKPOINT
+
+
+def test_usable_and_locate_agree_with_their_definitions_on_random_columns():
+    # the C loops (tiercache/_index.c) against the rules written out in numpy
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        index = Index(capacity=64)
+        cols = index._cols
+        cols["tiers"][:] = rng.integers(0, 8, 64)
+        cols["nbytes"][:] = rng.choice([100, 200], 64)
+        cols["check"][:] = rng.choice([0, 5, 6], 64)
+        cols["slot_1"][:], cols["slot_2"][:] = rng.integers(0, 1000, (2, 64))
+        rows = rng.integers(-1, 64, rng.integers(0, 40))
+        checks = rng.choice([5, 6], len(rows)).astype(np.uint64) if rng.random() < 0.5 else None
+        readable = int(rng.integers(1, 8))
+        at, looked = np.maximum(rows, 0), rows >= 0
+        found = looked & ((cols["tiers"][at] & readable) != 0)
+        foreign = found & (cols["nbytes"][at] != 100)
+        clash = (found & ~foreign & (cols["check"][at] != 0) & (cols["check"][at] != checks)
+                 if checks is not None else np.zeros(len(rows), bool))
+        before = index.foreign, index.collisions
+        got = index.usable(rows, 100, checks, readable)
+        assert list(got) == list(np.where(found & ~foreign & ~clash, rows, -1))
+        assert (index.foreign - before[0], index.collisions - before[1]) == (foreign.sum(), clash.sum())
+        entries = rows[rows >= 0]
+        for device_ok in (True, False):
+            on_device, device_slots, host_slots, disk = index.locate(entries, device_ok)
+            tiers = cols["tiers"][entries]
+            on = ((tiers & Tier.DEVICE) != 0) & device_ok
+            host = np.where(~on & ((tiers & Tier.HOST) != 0), cols["slot_2"][entries], -1)
+            assert list(on_device) == list(on) and list(host_slots) == list(host)
+            assert list(device_slots) == list(cols["slot_1"][entries][on])
+            assert list(disk) == list(np.flatnonzero(~on & (host < 0)))
+    with pytest.raises(IndexError, match="past the index"):
+        Index(capacity=4).usable(np.array([9]), 100)
