@@ -81,6 +81,7 @@ class BufferTable:
     max_width: int
     min_width: int
     host: np.ndarray  # int64 (4, buffers): base, stride, width, offset (copy_engines.py)
+    addresses: tuple[int, ...]  # of base, stride, width and offset on the device
 
     @classmethod
     def of(cls, buffers: Sequence[torch.Tensor], offsets: Sequence[int],
@@ -92,7 +93,8 @@ class BufferTable:
                                  f"{ALIGN}-byte aligned: the GPU copy needs aligned rows")
         host = buffer_table(buffers, offsets)
         on_device = torch.from_numpy(host).to(device)
-        return cls(*on_device, int(host[2].max()), int(host[2].min()), host)
+        return cls(*on_device, int(host[2].max()), int(host[2].min()), host,
+                   tuple(t.data_ptr() for t in on_device))
 
 
 # The kernels loaded so far, by (device, direction, step): a launch of a kind loaded
@@ -106,22 +108,26 @@ def copy_rows(table: BufferTable, rows: torch.Tensor, slot_addresses: torch.Tens
               to_slots: bool, stream: torch.cuda.Stream | None = None) -> None:
     """Copy row rows[i] of every buffer to (or from) the entry at slot_addresses[i].
 
-    `rows` and `slot_addresses` are int64 tensors on the buffers' device; slot addresses
-    must be 16-byte aligned (arena slots are). The launch is asynchronous on `stream`
-    (the current stream if None)."""
+    `rows` and `slot_addresses` are contiguous int64 tensors on the buffers' device; slot
+    addresses must be 16-byte aligned (arena slots are). The launch is asynchronous on
+    `stream` (the current stream if None)."""
     entries, buffers = len(rows), len(table.width)
     if not entries or not buffers:
         return
     grid = (entries * buffers, triton.cdiv(table.max_width // 4, CHUNK_WORDS), 1)
     block = block_words(table.min_width)
-    pointers = (table.base, table.stride, table.width, table.offset, rows, slot_addresses)
     key = (rows.device.index, to_slots, block)
+    compiled = _compiled.get(key)
+    if compiled is not None:
+        # the tables by address and the stream given: Triton's launcher asked the driver
+        # about each of six tensors' pointers and torch for the current stream, per launch
+        handle = (stream if stream is not None else torch.cuda.current_stream(rows.device)).cuda_stream
+        compiled[grid](*table.addresses, rows.data_ptr(), slot_addresses.data_ptr(), buffers, to_slots,
+                       CHUNK_WORDS, block, stream=handle)
+        return
+    pointers = (table.base, table.stride, table.width, table.offset, rows, slot_addresses)
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
-        compiled = _compiled.get(key)
-        if compiled is not None:
-            compiled[grid](*pointers, buffers, to_slots, CHUNK_WORDS, block)
-        else:
-            _compiled[key] = _through_triton(grid, pointers, buffers, to_slots, block)
+        _compiled[key] = _through_triton(grid, pointers, buffers, to_slots, block)
 
 
 def prepare(device: torch.device, row_bytes: Iterable[int]) -> None:

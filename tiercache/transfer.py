@@ -417,7 +417,7 @@ class CudaTransfer:
             # ~0.5 ms a launch, a new block whenever the last one was still in use by a copy
             # in flight; copied through page-locked blocks kept for it, 75-95 us (RESULTS.md)
             on_device = torch.from_numpy(meta).to(self.device, non_blocking=True)
-            copy_rows(table, on_device[0], on_device[1], to_slots)  # on the current stream
+            copy_rows(table, on_device[0], on_device[1], to_slots, stream)
 
     def _rows_on_engines(self, host_table: np.ndarray, rows: np.ndarray, addresses: np.ndarray,
                          to_slots: bool, direction: str) -> bool:
