@@ -115,12 +115,13 @@ class Loads:
         # done, and an exported event must still exist then
         self._handed_out: deque = deque(maxlen=1024)
 
-    def reap(self) -> None:
-        """Unpin the entries of asynchronous loads whose copies have finished."""
+    def reap(self, spare: Any = None) -> None:
+        """Unpin the entries of asynchronous loads whose copies have finished, but those of
+        the load whose own mark is `spare` (one just queued: pinned until a later call)."""
         finished, waiting = [], []
         with self._lock:
             for pending in self._pending:
-                (finished if pending[0].query() else waiting).append(pending)
+                (finished if pending[0] is not spare and pending[0].query() else waiting).append(pending)
             self._pending = waiting
         for _, rows, _ in finished:
             self.books.unpin(rows)
@@ -159,7 +160,7 @@ class Loads:
                              dst_slot))
             done = self.deliver(hit.rows, jobs, transfer, asynchronous, done_event, alive)
             with trace.span("reap"):  # the last loads' pins, after this one's copies are
-                self.reap()  # queued: not in their way
+                self.reap(spare=done.own)  # queued: not in their way
             damaged += len(done.damaged)
             if not done.damaged:
                 self.books.count("loads", 1)
