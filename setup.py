@@ -1,6 +1,6 @@
 """The C part of the package (tiercache/_keymap.c: the key map's probing loops and the
-repeat check of a request's keys; tiercache/_index.c: the index's per-entry loop of a
-match; tiercache/_rows.c: row copies on the CPU;
+repeat check of a request's keys; tiercache/_index.c: the index's per-entry loops of a
+load; tiercache/_rows.c: the check of a request's rows, row copies on the CPU;
 tiercache/_spin.c: a CPU kept out of idle for the daemon); everything else is in
 pyproject.toml. `pip install .` (or -e .) builds it; in a source tree without an install,
 `python setup.py build_ext --inplace` does (scripts/gpu-env.sh calls gcc itself: a GPU

@@ -75,7 +75,8 @@ static PyObject *usable(PyObject *self, PyObject *args) {
         int64_t row = r[i];
         int ok = 0;
         if (row >= capacity) {
-            PyErr_Format(PyExc_IndexError, "row %lld is past the index's %zd rows", (long long)row, capacity);
+            PyErr_Format(PyExc_IndexError, "row %lld is past the index's %zd rows",
+                         (long long)row, capacity);
             goto end;
         }
         if (row >= 0 && (tier[row] & readable)) {  /* a claimed entry is in no tier */
@@ -142,7 +143,8 @@ static PyObject *locate(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t row = rows[i];
         if (row < 0 || row >= capacity) {
-            PyErr_Format(PyExc_IndexError, "row %lld is not one of the index's %zd rows", (long long)row, capacity);
+            PyErr_Format(PyExc_IndexError, "row %lld is not one of the index's %zd rows",
+                         (long long)row, capacity);
             goto end;
         }
         on[i] = device_ok && (tiers[row] & TIER_DEVICE);

@@ -1,7 +1,8 @@
 /* Worker rows: the check of a request's rows (buffers.row_ids), and row copies on the
-   CPU between worker buffers and entry slots (tiercache/transfer.py's CpuTransfer), the CPU's counterpart of the GPU kernel (kernels.py) with the same
-   tables: per buffer its base address, row stride, row bytes and offset inside an entry
-   (int64, 4 x buffers); per entry a worker row and the address of its slot.
+   CPU between worker buffers and entry slots (tiercache/transfer.py's CpuTransfer), the
+   CPU's counterpart of the GPU kernel (kernels.py) with the same tables: per buffer its
+   base address, row stride, row bytes and offset inside an entry (int64, 4 x buffers);
+   per entry a worker row and the address of its slot.
 
    Writes are non-temporal where they can be (16-byte aligned, 256 bytes and more): a
    plain store first reads each line it writes, so scattered copies moved half again the

@@ -109,7 +109,8 @@ def row_ids(rows: Any, limit: int, what: str, unique: bool = False) -> np.ndarra
     ids = np.ascontiguousarray(int_ids(rows, what))
     wrong = _rows.check_rows(ids, limit, unique)  # one pass in C: a bitmap of the rows seen
     if wrong is not None and wrong[1] == 0:
-        raise InvalidArgument(f"{what} {int(ids[wrong[0]])} is out of range: the buffer has {limit} rows")
+        raise InvalidArgument(f"{what} {int(ids[wrong[0]])} is out of range: the buffer has "
+                              f"{limit} rows")
     if wrong is not None:
         raise InvalidArgument(f"{what} repeat a row: every destination row must be distinct")
     return ids

@@ -1,8 +1,9 @@
 """Which tiers hold which KV pages and checkpoints: a table with one row per entry.
 
 Keys live in a vectorised hash map (keymap.py) and every other field in numpy columns,
-so an entry costs about a hundred bytes, a match of thousands of pages is a few dozen
-numpy operations, and eviction scores all candidates of a tier in one pass. The index holds
+so an entry costs about a hundred bytes, a match of thousands of pages is a few numpy
+operations and one pass in C over the columns (_index.c, which also finds where a hit's
+entries lie), and eviction scores all candidates of a tier in one pass. The index holds
 committed entries only: the engine publishes a tier after the bytes are in it
 (invariant 1) and pins rows while a load reads them (invariant 3). Not thread-safe: the
 engine serialises calls under its lock.
@@ -158,10 +159,11 @@ class Index:
         if not len(rows):
             return rows, 0
         out = np.empty(len(rows), np.int64)
-        first, foreign, collisions = _index.usable(np.ascontiguousarray(rows, np.int64), out, self._cols["tiers"],
-                                               self._cols["nbytes"], self._cols["check"], nbytes,
-                                               None if checks is None else np.ascontiguousarray(checks, np.uint64),
-                                               readable)
+        cols = self._cols
+        given = None if checks is None else np.ascontiguousarray(checks, np.uint64)
+        first, foreign, collisions = _index.usable(np.ascontiguousarray(rows, np.int64), out,
+                                                   cols["tiers"], cols["nbytes"], cols["check"],
+                                                   nbytes, given, readable)
         self.foreign += foreign
         self.collisions += collisions
         return out, first
@@ -204,8 +206,9 @@ class Index:
         the caller's sizes (0 bytes: the layout has no such entries and needs none). With
         `checks` (one per key), an entry whose check differs counts as missing; so does one
         in none of the tiers `readable` to the caller (a bit mask of Tier)."""
-        page_rows, walked = (self._usable(self._maps[Kind.PAGE].lookup(keys), page_bytes, checks, readable)
-                             if page_bytes else (np.empty(0, np.int64), len(keys)))
+        looked_up = self._maps[Kind.PAGE].lookup(keys) if page_bytes else np.empty(0, np.int64)
+        page_rows, walked = (self._usable(looked_up, page_bytes, checks, readable) if page_bytes
+                             else (looked_up, len(keys)))
         pages, checkpoint_row = walked, None
         if checkpoint_bytes:
             pages, checkpoint_row = self._deepest_checkpoint(

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from tiercache import _rows, copy_engines, trace
+from tiercache.streams import current
 from tiercache.tiers.arena import SlabPart
 
 log = logging.getLogger("tiercache")
@@ -345,7 +346,7 @@ class CudaTransfer:
         first, then = (kernel, pcie) if to_slots else (pcie, kernel)
         done = 0
         try:
-            with ring.lock, torch.cuda.device(self.device), torch.cuda.stream(kernel):
+            with ring.lock, torch.cuda.device(self.device), current(kernel):
                 # the rows, uploaded right before the first launch: a load's first copy into
                 # the ring is queued before them
                 on_device = None
@@ -411,7 +412,7 @@ class CudaTransfer:
             return
         meta = np.empty((2, len(rows)), np.int64)
         meta[0], meta[1] = rows, addresses
-        with torch.cuda.stream(stream), trace.gpu(direction, stream):
+        with current(stream), trace.gpu(direction, stream):
             # from pageable memory: the driver stages these few KiB before it returns, in
             # stream order, in 15-25 us of CPU (H200, up to 43 KiB). Page-locking them took
             # ~0.5 ms a launch, a new block whenever the last one was still in use by a copy
@@ -472,7 +473,7 @@ class CudaTransfer:
             # the stream that reads it: freed after this call, its memory is reused only by
             # work queued behind the launch (made on another stream, the next table
             # overwrote it under the running kernel: illegal addresses on the H100)
-            with torch.cuda.stream(self._streams["move"]):
+            with current(self._streams["move"]):
                 table = BufferTable.of((part.slab,), [0], self.device)
             self._run(table, part.local, addresses[part.positions], True, "move")
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # lowest first; a module may import its own layer and those below
 LAYERS = [
-    {"errors", "failpoints", "flops", "v1", "trace", "channel", "arrays", "deadlines"},
+    {"errors", "failpoints", "flops", "v1", "trace", "channel", "arrays", "deadlines", "streams"},
     {"keymap", "hashing", "layout", "results"},
     {"counters", "metrics", "chores", "tenancy", "buffers", "shm", "cuda_ipc", "kernels", "copy_engines",
      "tiers.arena", "tiers.lmdb_format", "events", "tiers.remote.entry", "tiers.remote.resp",
