@@ -31,6 +31,7 @@ from tiercache.errors import FailedPrecondition, InvalidArgument
 from tiercache.layout import BufferSpec, Layout
 from tiercache.results import StoreResult
 from tiercache.signals import Call, WorkerSignals
+from tiercache.streams import current
 
 
 class Sender(Protocol):
@@ -114,7 +115,7 @@ class Outbox:
         order = sorted(checkpoints)
         ids = np.concatenate([rows, np.array([checkpoints[p] for p in order], np.int64)])
         stream = torch.cuda.current_stream(self.device)
-        with self._lock, torch.cuda.stream(stream):  # one call at a time: the next waits for its word
+        with self._lock, current(stream):  # one call at a time: the next waits for its word
             if self._closed:
                 raise FailedPrecondition("this worker is closed: register again to store")
             self._sender.check_registered()
@@ -133,7 +134,7 @@ class Outbox:
                 self._free = stream.record_event()  # the copy in, that no call reads
                 raise
             self._side.wait_event(stream.record_event())
-            with torch.cuda.stream(self._side), self._sender.signals.call() as call:
+            with current(self._side), self._sender.signals.call() as call:
                 call.await_done()
             self._free = self._side.record_event()
         boxed = {page: n for n, page in enumerate(order)}
