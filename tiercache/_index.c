@@ -42,34 +42,24 @@ static PyObject *usable(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOLOI", &rows_o, &out_o, &tiers_o, &sizes_o, &stored_o,
                           &nbytes, &checks_o, &readable))
         return NULL;
-    Py_buffer rows, out, tiers, sizes, stored, checks = {0};
-    if (view_of(rows_o, &rows, 8, -1, 0, "rows") < 0)
-        return NULL;
-    Py_ssize_t n = rows.len / 8;
+    /* rows, out, tiers, sizes, stored checks and, unless None, the caller's checks */
+    Py_buffer views[6];
+    PyObject *objects[6] = {rows_o, out_o, tiers_o, sizes_o, stored_o, checks_o};
+    const char *names[6] = {"rows", "out", "tiers", "sizes", "stored checks", "checks"};
+    Py_ssize_t item[6] = {8, 8, 1, 8, 8, 8};
+    int wanted = checks_o == Py_None ? 5 : 6, got = 0;
     PyObject *result = NULL;
-    int have_out = 0, have_tiers = 0, have_sizes = 0, have_stored = 0, have_checks = 0;
-    if (view_of(out_o, &out, 8, n, 1, "out") < 0)
-        goto end;
-    have_out = 1;
-    if (view_of(tiers_o, &tiers, 1, -1, 0, "tiers") < 0)
-        goto end;
-    have_tiers = 1;
-    Py_ssize_t capacity = tiers.len;
-    if (view_of(sizes_o, &sizes, 8, capacity, 0, "sizes") < 0)
-        goto end;
-    have_sizes = 1;
-    if (view_of(stored_o, &stored, 8, capacity, 0, "stored checks") < 0)
-        goto end;
-    have_stored = 1;
-    if (checks_o != Py_None) {
-        if (view_of(checks_o, &checks, 8, n, 0, "checks") < 0)
+    for (; got < wanted; got++) {  /* out and checks: one per row; sizes and stored: per index row */
+        Py_ssize_t count = got == 0 || got == 2 ? -1 : got == 1 || got == 5 ? views[0].len / 8
+                                                                             : views[2].len;
+        if (view_of(objects[got], &views[got], item[got], count, got == 1, names[got]) < 0)
             goto end;
-        have_checks = 1;
     }
-    const int64_t *r = rows.buf, *size = sizes.buf;
-    const uint8_t *tier = tiers.buf;
-    const uint64_t *kept = stored.buf, *check = have_checks ? checks.buf : NULL;
-    int64_t *o = out.buf;
+    Py_ssize_t n = views[0].len / 8, capacity = views[2].len;
+    const int64_t *r = views[0].buf, *size = views[3].buf;
+    const uint8_t *tier = views[2].buf;
+    const uint64_t *kept = views[4].buf, *check = wanted == 6 ? views[5].buf : NULL;
+    int64_t *o = views[1].buf;
     Py_ssize_t first = n, foreign = 0, collisions = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t row = r[i];
@@ -93,17 +83,8 @@ static PyObject *usable(PyObject *self, PyObject *args) {
     }
     result = Py_BuildValue("(nnn)", first, foreign, collisions);
 end:
-    if (have_checks)
-        PyBuffer_Release(&checks);
-    if (have_stored)
-        PyBuffer_Release(&stored);
-    if (have_sizes)
-        PyBuffer_Release(&sizes);
-    if (have_tiers)
-        PyBuffer_Release(&tiers);
-    if (have_out)
-        PyBuffer_Release(&out);
-    PyBuffer_Release(&rows);
+    while (got-- > 0)
+        PyBuffer_Release(&views[got]);
     return result;
 }
 
