@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from tiercache.copy_engines import buffer_table
+from tiercache.streams import current
 
 ALIGN = 16
 CHUNK_WORDS = 16 * 1024  # int32 words (64 KiB) of a row one program moves; longer rows split
@@ -126,7 +127,7 @@ def copy_rows(table: BufferTable, rows: torch.Tensor, slot_addresses: torch.Tens
                        CHUNK_WORDS, block, stream=handle)
         return
     pointers = (table.base, table.stride, table.width, table.offset, rows, slot_addresses)
-    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+    with current(stream) if stream is not None else nullcontext():
         _compiled[key] = _through_triton(grid, pointers, buffers, to_slots, block)
 
 

@@ -32,6 +32,7 @@ import torch
 
 from tiercache import cuda_ipc
 from tiercache.errors import FailedPrecondition, InvalidArgument
+from tiercache.streams import current
 
 SLOTS = 1024  # a worker's calls in flight at once, at most (more wait for a slot)
 MAX_SLOTS = 1 << 16
@@ -194,7 +195,7 @@ class WorkerSignals:
             awaited = dict(self._awaited)
         if not awaited:
             return {}
-        with torch.cuda.stream(self._side):
+        with current(self._side):
             done = self.words[self.slots:].to("cpu")
         missing = {}
         for slot, value in awaited.items():

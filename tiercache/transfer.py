@@ -346,7 +346,7 @@ class CudaTransfer:
         first, then = (kernel, pcie) if to_slots else (pcie, kernel)
         done = 0
         try:
-            with ring.lock, torch.cuda.device(self.device), current(kernel):
+            with ring.lock, current(kernel):  # also makes the kernel stream's GPU current
                 # the rows, uploaded right before the first launch: a load's first copy into
                 # the ring is queued before them
                 on_device = None

@@ -24,6 +24,7 @@ from typing import Callable, Collection
 import torch
 
 from tiercache.results import StoreResult
+from tiercache.streams import current
 
 log = logging.getLogger("tiercache.integrations")
 
@@ -65,7 +66,7 @@ class StoreQueue:
         try:
             if self._stream is None:
                 return store()
-            with torch.cuda.stream(self._stream):
+            with current(self._stream):
                 self._stream.wait_event(ready)
                 result = store()
                 flight.done.append(self._stream.record_event())
