@@ -133,14 +133,12 @@ class SlotPool:
         # slots in slab order (the usual case: taken in order) need no sort; otherwise one
         # sort for all slabs, not a pass over the list per slab
         order = None if np.all(numbers[1:] >= numbers[:-1]) else np.argsort(numbers, kind="stable")
-        if order is None and numbers[0] == numbers[-1]:  # all in one slab, the usual case
-            view = self._views[int(numbers[0])]
-            assert view is not None, f"slots {slots} lie in a released slab"
-            yield SlabPart(view, local, np.arange(len(slots)))
-            return
         if order is not None:
             numbers, local = numbers[order], local[order]
-        bounds = [0, *(np.flatnonzero(numbers[1:] != numbers[:-1]) + 1).tolist(), len(slots)]
+        # all in one slab (the usual case) needs no pass over the slab boundaries
+        inner = ([] if numbers[0] == numbers[-1]
+                 else (np.flatnonzero(numbers[1:] != numbers[:-1]) + 1).tolist())
+        bounds = [0, *inner, len(slots)]
         for number, start, end in zip(numbers[bounds[:-1]].tolist(), bounds[:-1], bounds[1:]):
             positions = np.arange(start, end) if order is None else order[start:end]
             view = self._views[number]
