@@ -206,9 +206,11 @@ class Index:
         the caller's sizes (0 bytes: the layout has no such entries and needs none). With
         `checks` (one per key), an entry whose check differs counts as missing; so does one
         in none of the tiers `readable` to the caller (a bit mask of Tier)."""
-        looked_up = self._maps[Kind.PAGE].lookup(keys) if page_bytes else np.empty(0, np.int64)
-        page_rows, walked = (self._usable(looked_up, page_bytes, checks, readable) if page_bytes
-                             else (looked_up, len(keys)))
+        if page_bytes:
+            page_rows, walked = self._usable(self._maps[Kind.PAGE].lookup(keys), page_bytes, checks,
+                                             readable)
+        else:
+            page_rows, walked = np.empty(0, np.int64), len(keys)
         pages, checkpoint_row = walked, None
         if checkpoint_bytes:
             pages, checkpoint_row = self._deepest_checkpoint(
