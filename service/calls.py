@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import grpc
 
@@ -33,11 +33,21 @@ Observe = Callable[[str, grpc.StatusCode, float, str, str], None]
 METHODS = {"match": "Match", "load": "Load", "store": "Store"}
 
 
+class Caller(Protocol):
+    """What a message's call sees of who sent it: the stream's context, or a lane's caller
+    (service/lanes.py)."""
+
+    def invocation_metadata(self) -> Any: ...
+    def auth_context(self) -> Any: ...
+    def peer(self) -> str: ...
+    def is_active(self) -> bool: ...
+
+
 class MessageContext:
     """The stream's context as one message's call sees it: the stream's caller and
     liveness, the message's own deadline."""
 
-    def __init__(self, stream: grpc.ServicerContext, timeout: float) -> None:
+    def __init__(self, stream: Caller, timeout: float) -> None:
         if math.isnan(timeout) or timeout < 0:
             raise InvalidArgument(f"timeout_seconds is {timeout}: give a positive number of "
                                   "seconds, or 0 for none")
@@ -63,7 +73,7 @@ class MessageContext:
 
 
 def answer(message: pb.CallRequest, kind: str, handle: Callable[[Any, Any], Any],
-           stream: grpc.ServicerContext, observe: Observe) -> pb.CallReply:
+           stream: Caller, observe: Observe) -> pb.CallReply:
     """The reply to one message: `handle`'s answer to its request, or its error."""
     method = METHODS[kind]
     rid = request_id(((REQUEST_ID_HEADER, message.request_id),))

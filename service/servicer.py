@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import torch
 
-from tiercache_service import calls
+from tiercache_service import calls, lanes
 from tiercache_service.auth import Authenticator
 from tiercache_service.groups import GroupRegistry, describe_to_proto
 from tiercache_service.fleet import Fleet
@@ -116,6 +116,7 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         self.groups = GroupRegistry(engine, registry)
         self.observe: calls.Observe = lambda *ended: None  # each Calls message's end (server.py)
         self._binding = threading.Lock()  # a worker's Calls stream, bound once
+        self._handlers = {"match": self._match, "load": self._load, "store": self._store}
 
     def _worker(self, worker_id: str, context: grpc.ServicerContext
                 ) -> AbstractContextManager[Registration]:
@@ -174,13 +175,17 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         if not context.add_callback(lambda: self.registry.remove(registration.id)):
             self.registry.remove(registration.id)  # the call ended already
             return
+        if registration.lane is not None:
+            lanes.serve(registration.lane, lanes.Caller.of(context, registration), self._answer,
+                        self.stopping)
         namespace = registration.namespace
         yield pb.RegisterResponse(worker_id=registration.id, namespace_root=registration.root,
                                   reads_packed_rows=True, takes_calls=True,
                                   layout_fingerprint=namespace.layout_fingerprint,
                                   hash=namespace.hash_name,
                                   reads_signals=registration.signals is not None,
-                                  pid=os.getpid(), started=process_started(os.getpid()) or 0)
+                                  pid=os.getpid(), started=process_started(os.getpid()) or 0,
+                                  takes_lane=registration.lane is not None)
         while not registration.gone.wait(1.0) and not self.stopping.is_set() and context.is_active():
             pass
 
@@ -272,7 +277,6 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
     def Calls(self, requests: Iterator[pb.CallRequest], context: grpc.ServicerContext
               ) -> Iterator[pb.CallReply]:
         """A worker's calls as messages of one stream (service/calls.py)."""
-        handlers = {"match": self._match, "load": self._load, "store": self._store}
         bound: Registration | None = None
         messages = iter(requests)
         try:
@@ -286,14 +290,17 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                 elif worker_id != bound.id:
                     raise InvalidArgument(f"this stream carries worker {bound.id!r}'s calls: open "
                                           f"one for worker {worker_id!r}")
-                with trace.call(calls.METHODS[kind]):
-                    reply = calls.answer(message, kind, handlers[kind], context, self.observe)
-                yield reply
+                yield self._answer(message, kind, context)
         finally:
             if bound is not None:
                 with self._binding:
                     if bound.calls == context.cancel:  # not yet bound to a newer stream
                         bound.calls = None
+
+    def _answer(self, message: pb.CallRequest, kind: str, context: calls.Caller) -> pb.CallReply:
+        """The reply to one message of a stream or a lane of calls."""
+        with trace.call(calls.METHODS[kind]):
+            return calls.answer(message, kind, self._handlers[kind], context, self.observe)
 
     def _bind(self, worker_id: str, context: grpc.ServicerContext) -> Registration:
         """The registration a Calls stream carries the calls of, now bound to it."""

@@ -17,7 +17,7 @@ import torch
 
 from tiercache_service.auth import Identity
 from tiercache_service.groups import Membership, member_keys, membership_of
-from tiercache import cuda_ipc, shm, tenancy
+from tiercache import cuda_ipc, lane, shm, tenancy
 from tiercache.cuda_ipc import OpenedEvents
 from tiercache.signals import DaemonSignals
 from tiercache.buffers import WorkerBuffers
@@ -48,6 +48,7 @@ class Registration:
     done_events: list = field(default_factory=list)  # the events its loads hand back (servicer)
     signals: DaemonSignals | None = None  # its signal words (GPU workers whose client sends them)
     calls: Callable[[], None] | None = None  # ends its Calls stream, if one is open (service/calls.py)
+    lane: ctypes.Array | None = None  # its lane of calls (tiercache/lane.py), if it gave one
 
     @property
     def layout(self) -> Layout:
@@ -217,6 +218,8 @@ class WorkerRegistry:
             for location in request.buffers:
                 if location.HasField("shm"):
                     self._tickets.discard(location.shm.ticket)
+            if request.HasField("lane"):
+                self._tickets.discard(request.lane.ticket)
             raise
 
     def _add(self, request: pb.RegisterRequest, identity: Identity, hash_name: str) -> Registration:
@@ -238,6 +241,8 @@ class WorkerRegistry:
         buffers, opened = map_buffers(layout, request.buffers, self.limits, self._tickets.redeem)
         try:
             signals = _open_signals(request, buffers, opened)
+            lane_mapping = lane.check(self._tickets.redeem(request.lane.ticket)) \
+                if request.HasField("lane") else None
         except BaseException:
             for allocation in opened:
                 allocation.close()
@@ -248,7 +253,8 @@ class WorkerRegistry:
         registration = Registration(secrets.token_hex(12), namespace, root, buffers, opened,
                                     identity=identity, mask=mask, group=membership,
                                     handles=frozenset(bytes(loc.cuda.handle) for loc in locations
-                                                      if loc.HasField("cuda")), signals=signals)
+                                                      if loc.HasField("cuda")), signals=signals,
+                                    lane=lane_mapping)
         with self._changed:
             try:
                 self._check_room(identity.tenant)

@@ -47,6 +47,7 @@ import torch
 
 from tiercache.buffers import WorkerBuffers, device_buffers, int_ids
 from tiercache.call_stream import CallStream
+from tiercache.lane import Lane
 from tiercache.channel import DEFAULT_ADDRESS, Tls, connect  # noqa: F401 (the API names both here too)
 from tiercache.cuda_ipc import OpenedEvents  # cuda-bindings only once a buffer is exported
 from tiercache.errors import InvalidArgument, TiercacheError, Unavailable
@@ -280,9 +281,11 @@ class _Remote:
                  shared: SharedBuffers | None, device: torch.device | None, timeout: float,
                  metadata: tuple[tuple[str, str], ...], packed: bool,
                  signals: WorkerSignals | None = None, daemon: tuple[int, int] | None = None,
-                 calls: CallStream | None = None) -> None:
+                 ways: Sequence[Lane | CallStream] = ()) -> None:
         self._stub, self._id, self._stream = stub, worker_id, stream
-        self._calls = calls  # Match, Load and Store as messages of one stream, if the daemon takes them
+        # Match, Load and Store as messages: in the worker's lane, on its stream of calls,
+        # the first of them that takes the call (else it is a call of its own)
+        self._ways = tuple(ways)
         self._packed = packed  # the daemon reads kv_rows_packed
         self._shared, self._device, self._timeout = shared, device, timeout
         self._call = {"timeout": timeout, "metadata": metadata}
@@ -337,15 +340,15 @@ class _Remote:
         done = torch.cuda.current_stream(self._device).record_event()
         reply = None
         try:  # sent from this thread where the stream is free: a thread's wake-up sooner
-            reply = self._calls.start("load", request, self._timeout) if self._calls is not None else None
+            reply = self._start("load", request)
             return self._posted.submit(self._load_posted, request, reply, call, done)
         except BaseException:  # (closed meanwhile) the call ends here, settled if it must be
             return _done(lambda: self._load_posted(request, reply, call, done))
 
     def _load_posted(self, request: pb.LoadRequest, reply: Callable[[], Any] | None, call: Call,
                      done: torch.cuda.Event) -> LoadResult:
-        """A posted load's reply (`reply` waits for it where it went on the stream of calls;
-        else it is sent now), or its error, the call settled if no reply came."""
+        """A posted load's reply (`reply` waits for it where it went in the lane or on the
+        stream of calls; else it is sent now), or its error, the call settled if no reply came."""
         with self._settled(call, awaited=True) as replied:
             answer = reply() if reply is not None else self._sent("load", request, self._stub.Load)
             replied()
@@ -380,13 +383,21 @@ class _Remote:
         return store_from_proto(self._sent("store", request, self._stub.Store))
 
     def _sent(self, kind: str, request: Any, call: Callable[..., T]) -> T:
-        """The reply to `request`: on the worker's stream of calls, or as a call of its own
-        (the stream is busy with another thread's call, or the daemon takes none)."""
-        if self._calls is not None:
-            reply = self._calls.send(kind, request, self._timeout)
+        """The reply to `request`: in the worker's lane or on its stream of calls, or as a
+        call of its own (they are busy with other threads' calls, or the daemon takes none)."""
+        reply = self._start(kind, request)
+        if reply is not None:
+            return reply()
+        return answered(lambda: call(request, **self._call))
+
+    def _start(self, kind: str, request: Any) -> Callable[[], Any] | None:
+        """`request` put in the first of the worker's ways that takes it, and what waits for
+        its reply; None when none does."""
+        for way in self._ways:
+            reply = way.start(kind, request, self._timeout)
             if reply is not None:
                 return reply
-        return answered(lambda: call(request, **self._call))
+        return None
 
     @contextmanager
     def _ordered(self, given: Any, awaited: bool, asynchronous: bool
@@ -502,8 +513,8 @@ class _Remote:
             # the daemon releases the waits of a registration that ends: let this worker's
             # own work before them finish first (or its copies could run before it)
             torch.cuda.current_stream(self._device).synchronize()
-        if self._calls is not None:
-            self._calls.close()
+        for way in self._ways:
+            way.close()
         self._stream.cancel()  # ends the registration: the daemon unmaps the buffers
         if self._watcher.is_alive():  # its words released first, if the daemon died:
             self._watcher.join()  # freeing them waits for every stream that waits on them
@@ -515,18 +526,20 @@ class _Remote:
 class Client:
     """A connection to a tiercache daemon (`unix:PATH` or `host:port`).
 
-    A worker's Match, Load and Store go as messages of one stream of its own where the
-    daemon takes them (tiercache/call_stream.py); `streamed_calls=False` makes each a
-    call of its own."""
+    A worker's Match, Load and Store go as messages through shared memory of its own (its
+    lane, tiercache/lane.py) where the daemon is on this node and takes them, else on one
+    stream of its own (tiercache/call_stream.py); `lanes=False` leaves the lane out,
+    `streamed_calls=False` the stream, and without both each is a call of its own."""
 
     def __init__(self, address: str | None = None, timeout: float = 30.0,
                  max_message_bytes: int = 16 << 20, token: str | None = None,
                  tls: Tls | None = None, handover: str | None = None,
-                 streamed_calls: bool = True) -> None:
+                 streamed_calls: bool = True, lanes: bool = True) -> None:
         connection = connect(address, max_message_bytes, token, tls)
         self.address = connection.address
         self.timeout = timeout
         self.streamed_calls = streamed_calls
+        self.lanes = lanes
         # where CPU workers hand their shared memory over: beside the daemon's Unix socket
         self.handover = handover or os.environ.get("TIERCACHE_HANDOVER") or (
             self.address.removeprefix("unix:") + ".fds" if self.address.startswith("unix:") else None)
@@ -599,16 +612,18 @@ class Client:
             tensors, locations = dict(buffers), _cuda_locations(buffers)
             device = next(iter(tensors.values())).device
         signals = _signals(device)
+        lane, ticket = self._lane()
         request = pb.RegisterRequest(model_id=model_id, layout=layout_to_proto(layout),
                                      extra_keys=extra_keys, hash=hash_name, buffers=locations,
                                      group=group.to_proto() if group is not None else None,
-                                     signals=_signals_location(signals))
+                                     signals=_signals_location(signals),
+                                     lane=pb.SharedMemoryBuffer(ticket=ticket) if lane else None)
         try:
             stream: Iterator[pb.RegisterResponse] = self._stub.Register(request,
                                                                       metadata=self._metadata)
             reply = answered(lambda: next(stream))
         except (TiercacheError, StopIteration) as error:
-            for owned in (shared, signals):
+            for owned in (shared, signals, lane):
                 if owned is not None:
                     owned.close()
             if isinstance(error, StopIteration):
@@ -618,13 +633,31 @@ class Client:
             signals.close()
             signals = None
         seen = reply.pid and process_started(reply.pid) == reply.started
-        calls = None
+        ways: list[Lane | CallStream] = []
+        if lane is not None and reply.takes_lane:
+            lane.taken(alive=lambda: not stream.done())
+            ways.append(lane)
+        elif lane is not None:  # an older daemon
+            lane.close()
         if self.streamed_calls and reply.takes_calls:
-            calls = CallStream(lambda requests: self._stub.Calls(requests, metadata=self._metadata))
+            ways.append(CallStream(lambda requests: self._stub.Calls(requests, metadata=self._metadata)))
         backend = _Remote(self._stub, reply.worker_id, stream, shared, device, self.timeout,
                           self._metadata, reply.reads_packed_rows, signals,
-                          (reply.pid, reply.started) if seen else None, calls)
+                          (reply.pid, reply.started) if seen else None, ways)
         return Worker(backend, layout, PageKey(reply.namespace_root), reply.hash, tensors)
+
+    def _lane(self) -> tuple[Lane | None, bytes]:
+        """A new lane and the ticket of its handover, where this client takes lanes and the
+        daemon is on this node; else (None, b"")."""
+        if not self.lanes or self.handover is None:
+            return None, b""
+        lane = Lane()
+        try:
+            return lane, lane.hand_over(self.handover)
+        except TiercacheError as error:  # a daemon elsewhere that shares our socket's name
+            lane.close()
+            log.info("no lane of calls: %s", error)
+            return None, b""
 
     def _handover(self) -> str:
         if self.handover is None:

@@ -97,15 +97,7 @@ class SharedBuffers:
     @classmethod
     def create(cls, layout: Layout) -> "SharedBuffers":
         placements, size = plan(layout)
-        fd = os.memfd_create("tiercache-buffers", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
-            mapping = map_shared(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(fd, mapping, placements)
+        return cls(*sealed(size, "tiercache-buffers"), placements)
 
     def hand_over(self, path: str) -> bytes:
         """Pass the memfd to the daemon listening on `path`; its ticket. The descriptor is
@@ -125,6 +117,19 @@ class SharedBuffers:
         """Drop this side's view; the memory goes once the daemon's mapping is gone too."""
         self.close_fd()
         self.tensors = {}
+
+
+def sealed(size: int, name: str) -> tuple[int, ctypes.Array]:
+    """A new memfd of `size` zeroed bytes, sealed against shrinking and growing, and its
+    shared mapping."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
+        return fd, map_shared(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def hand_over(path: str, fd: int, timeout: float = 10.0) -> bytes:
