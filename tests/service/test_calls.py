@@ -45,7 +45,7 @@ def keys_of(worker, tokens=None) -> bytes:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     with running_daemon(tmp_path_factory.mktemp("daemon")) as (address, process):
-        worker = Client(address).register("test-model", LAYOUT)
+        worker = Client(address, lanes=False).register("test-model", LAYOUT)
         for name, data in source_bytes(7).items():
             rows_of(worker, name).copy_(data)
         worker.store(prompt(0), kv_rows=range(6), checkpoints={96: 0})
@@ -55,7 +55,7 @@ def world(tmp_path_factory):
 
 def test_streamed_calls_answer_as_calls_of_their_own(world):
     address, process, worker, _ = world
-    unary = Client(address, streamed_calls=False).register("test-model", LAYOUT)
+    unary = Client(address, streamed_calls=False, lanes=False).register("test-model", LAYOUT)
     try:
         for who in (worker, unary):
             assert who.match(prompt(0)).pages == 6
@@ -66,7 +66,7 @@ def test_streamed_calls_answer_as_calls_of_their_own(world):
                 assert (got == stored).all(), name
         stored = worker.store(prompt(1), kv_rows=range(6), checkpoints={96: 0})
         assert stored.stored == 7 and unary.match(prompt(1)).pages == 6
-        assert unary._backend._calls is None and worker._backend._calls._replies is not None
+        assert unary._backend._ways == () and worker._backend._ways[0]._replies is not None
         # each message is counted as a call of its method
         text = scrape(metrics_url(process))
         for method in ("Match", "Load", "Store"):
@@ -78,7 +78,7 @@ def test_streamed_calls_answer_as_calls_of_their_own(world):
 
 def test_a_failed_call_is_answered_in_its_reply_and_the_stream_goes_on(world):
     _, _, _, stub = world
-    worker = Client(world[0]).register("test-model", LAYOUT)
+    worker = Client(world[0], lanes=False).register("test-model", LAYOUT)
     stream = Stream(stub)
     try:
         me = worker._backend._id
@@ -103,7 +103,7 @@ def test_a_failed_call_is_answered_in_its_reply_and_the_stream_goes_on(world):
 @pytest.mark.parametrize("case", ["no call", "another worker", "unknown worker"])
 def test_a_stream_carries_the_calls_of_one_registered_worker(world, case):
     _, _, worker, stub = world
-    other = Client(world[0]).register("test-model", LAYOUT)
+    other = Client(world[0], lanes=False).register("test-model", LAYOUT)
     stream = Stream(stub)
     try:
         first = {"no call": {}, "another worker": {"match": pb.MatchRequest(
@@ -124,7 +124,7 @@ def test_a_stream_carries_the_calls_of_one_registered_worker(world, case):
 
 def test_a_newer_stream_ends_the_older_and_the_registration_ends_its_stream(world):
     _, _, _, stub = world
-    worker = Client(world[0], streamed_calls=False).register("test-model", LAYOUT)
+    worker = Client(world[0], streamed_calls=False, lanes=False).register("test-model", LAYOUT)
     ask = {"match": pb.MatchRequest(worker_id=worker._backend._id, keys=keys_of(worker))}
     older, newer = Stream(stub), Stream(stub)
     try:
@@ -149,7 +149,7 @@ def test_a_newer_stream_ends_the_older_and_the_registration_ends_its_stream(worl
 def test_streams_are_opened_by_their_workers_caller_only(tmp_path):
     tenants = tenants_file(tmp_path / "conf")
     with running_daemon(tmp_path / "data", "--tenants-file", tenants, "--request-seconds", "1") as (address, _):
-        acme = Client(address, token="acme-token").register("test-model", LAYOUT)
+        acme = Client(address, token="acme-token", lanes=False).register("test-model", LAYOUT)
         stub = pb_grpc.TiercacheStub(grpc.insecure_channel(address))
         ask = {"match": pb.MatchRequest(worker_id=acme._backend._id, keys=keys_of(acme))}
         for token, code in (("beta-token", CODE.PERMISSION_DENIED), ("no-such-token", CODE.UNAUTHENTICATED),
@@ -174,16 +174,16 @@ def test_streams_are_opened_by_their_workers_caller_only(tmp_path):
 def test_a_call_past_its_timeout_raises_and_the_next_goes_on_a_new_stream(tmp_path, monkeypatch):
     monkeypatch.setenv("TIERCACHE_FAILPOINTS", "load.before_reply=sleep(1.5)")
     with running_daemon(tmp_path) as (address, _):
-        worker = Client(address, timeout=0.4).register("test-model", LAYOUT)
+        worker = Client(address, timeout=0.4, lanes=False).register("test-model", LAYOUT)
         worker.store(prompt(0), kv_rows=range(6), checkpoints={96: 0})
-        first = worker._backend._calls._replies
+        first = worker._backend._ways[0]._replies
         start = time.monotonic()
         with pytest.raises(DeadlineExceeded):
             worker.load(prompt(0), kv_rows=range(10, 16), slot=1)
         assert time.monotonic() - start < 1.2  # not the daemon's 1.5 s
         time.sleep(1.5)  # the daemon's load finishes (its rows are not the worker's now)
         assert worker.match(prompt(0)).pages == 6
-        assert worker._backend._calls._replies is not first
+        assert worker._backend._ways[0]._replies is not first
         worker.close()
 
 
@@ -204,7 +204,7 @@ def test_calls_from_two_threads_at_once_both_answer(world):
 
 def test_a_daemon_stopping_with_streams_open_ends_them_quietly(tmp_path):
     with running_daemon(tmp_path) as (address, process):
-        worker = Client(address).register("test-model", LAYOUT)
+        worker = Client(address, lanes=False).register("test-model", LAYOUT)
         assert worker.match(prompt(0)).pages == 0  # its stream is open now
     said = process.stdout.read()
     assert process.returncode == 0, said

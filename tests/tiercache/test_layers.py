@@ -34,7 +34,7 @@ LAYERS = [
     {"load"},
     {"store", "remote"},
     {"engine"},
-    {"invariants", "wire", "call_stream", "client", "group", "outbox"},
+    {"invariants", "wire", "call_stream", "lane", "client", "group", "outbox"},
     {"integrations.placement", "integrations.capture", "integrations.hf_cache",
      "integrations.stores", "integrations.vllm.config", "integrations.vllm.jobs",
      "integrations.vllm.pages"},
