@@ -30,8 +30,9 @@ With --daemon-cpus N, the daemons run as `--cpus <the first N CPUs> --spin` and 
 process (the worker) on the other CPUs: the daemon's threads stay on a few CPUs that never
 idle (service/cpus.py). Without it, both run wherever the scheduler puts them.
 
-The workers send their calls as messages of one stream each (tiercache/call_stream.py);
-with --unary-calls, each as a call of its own.
+The workers send their calls through shared memory of their own, their lanes
+(tiercache/lane.py); with --no-lanes, as messages of one stream each
+(tiercache/call_stream.py); with --unary-calls, each as a call of its own.
 
 With --profile, first: where stores and loads of 512 MiB and of the 32k prefix go, step
 by step (tiercache/trace.py: the daemon synchronises with the GPU around each step of a
@@ -122,7 +123,7 @@ def daemon(placed: int, *flags: str) -> Iterator[str]:
             cpus.pin(frozenset(allowed))
 
 
-CLIENT: dict = {}  # the workers' Client options (--unary-calls)
+CLIENT: dict = {}  # the workers' Client options (--no-lanes, --unary-calls)
 
 
 def rows_layout(pages: int, row_bytes: int) -> Layout:
@@ -566,11 +567,14 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also the per-step breakdown")
     parser.add_argument("--daemon-cpus", type=int, default=0, metavar="N",
                         help="the daemons on the first N CPUs, kept out of idle; this process on the rest")
+    parser.add_argument("--no-lanes", action="store_true",
+                        help="each Match, Load and Store a message of the worker's stream of calls, "
+                             "not of its lane")
     parser.add_argument("--unary-calls", action="store_true",
-                        help="each Match, Load and Store a call of its own, not a message of the "
-                             "worker's stream of calls")
+                        help="each Match, Load and Store a call of its own")
     args = parser.parse_args()
     CLIENT["streamed_calls"] = not args.unary_calls
+    CLIENT["lanes"] = not (args.no_lanes or args.unary_calls)
     if args.profile:
         print_profile()
     rows, summary = [], {}

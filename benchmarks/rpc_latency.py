@@ -2,12 +2,14 @@
 
 A daemon process holds a 4k-token and a 32k-token prompt (pages of 16 tokens, a
 checkpoint at the end), so every match walks the whole prompt. The empty RPC is the
-gRPC health check on the same server. Each Match is timed two ways: as a message on the
-worker's stream of calls (what the client does by default, tiercache/call_stream.py) and
-as a call of its own (`Client(streamed_calls=False)`). Throughput: 8 client processes,
-each on its own channel with a worker of its own, matching the 4k prompt in a loop, each
-way; beside it, the same 8 processes calling the empty RPC in a loop (what the server and
-the clients' own gRPC can do on this machine).
+gRPC health check on the same server. Each Match is timed three ways: through the
+worker's lane (what the client does by default on the daemon's node, tiercache/lane.py),
+as a message on the worker's stream of calls (`Client(lanes=False)`,
+tiercache/call_stream.py) and as a call of its own (`Client(streamed_calls=False,
+lanes=False)`). Throughput: 8 client processes, each on its own channel with a worker of
+its own, matching the 4k prompt in a loop, each way; beside it, the same 8 processes
+calling the empty RPC in a loop (what the server and the clients' own gRPC can do on this
+machine).
 """
 
 from __future__ import annotations
@@ -45,24 +47,22 @@ def percentiles(call, count: int = 2000) -> tuple[float, float]:
     return float(np.percentile(times, 50)), float(np.percentile(times, 99))
 
 
-def hammer(address: str, keys: bytes, streamed: bool, ready, go, counts) -> None:
-    """Match the prompt `keys` in a loop, on a stream of calls or as calls of their own;
-    with no keys, the empty RPC (the health check), counting the calls answered (the
-    daemon turns away health checks beyond its slots)."""
-    from tiercache.call_stream import CallStream
-    from tiercache.v1 import tiercache_pb2 as pb
-    from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
-    channel = grpc.insecure_channel(address)
-    if keys:
-        worker = Client(address).register("bench-model", LAYOUT)  # a stream is one worker's
-        stub = pb_grpc.TiercacheStub(channel)
-        request = pb.MatchRequest(worker_id=worker._backend._id, keys=keys)
-        stream = CallStream(lambda requests: stub.Calls(requests))
-        call = ((lambda: stream.send("match", request, 30.0)) if streamed  # noqa: E731
-                else (lambda: stub.Match(request)))
+WAYS = {"lane": {}, "streamed": {"lanes": False},
+        "a call of its own": {"lanes": False, "streamed_calls": False}}  # Client options
+
+
+def hammer(address: str, tokens: int, way: str, ready, go, counts) -> None:
+    """Match a prompt of `tokens` tokens in a loop, the `way` WAYS names; with no tokens,
+    the empty RPC (the health check), counting the calls answered (the daemon turns away
+    health checks beyond its slots)."""
+    if tokens:
+        worker = Client(address, **WAYS[way]).register("bench-model", LAYOUT)
+        keys = worker.keys(prompt(tokens))
+        call = lambda: worker.match(keys=keys)  # noqa: E731
     else:
-        health = health_pb2_grpc.HealthStub(channel)
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
         call = lambda: health.Check(health_pb2.HealthCheckRequest())  # noqa: E731
+
     def answered() -> bool:
         try:
             call()
@@ -81,11 +81,11 @@ def hammer(address: str, keys: bytes, streamed: bool, ready, go, counts) -> None
     counts.put(done)
 
 
-def throughput(address: str, keys: bytes, streamed: bool = False) -> float:
-    """Calls a second from CLIENTS processes at once (`keys`: Match; b"": the empty RPC)."""
+def throughput(address: str, tokens: int, way: str = "") -> float:
+    """Calls a second from CLIENTS processes at once (`tokens`: Match; 0: the empty RPC)."""
     context = multiprocessing.get_context("spawn")  # forking a process with gRPC threads can hang
     ready, go, counts = context.Semaphore(0), context.Event(), context.Queue()
-    clients = [context.Process(target=hammer, args=(address, keys, streamed, ready, go, counts))
+    clients = [context.Process(target=hammer, args=(address, tokens, way, ready, go, counts))
                for _ in range(CLIENTS)]
     for c in clients:
         c.start()
@@ -102,39 +102,40 @@ def main() -> None:
     # forwarded: the empty RPCs turned away are logged, and a full pipe would stop the daemon
     with spawn(tempfile.mkdtemp(prefix="tiercache-bench-"), "--host-budget", "1GiB",
                forward_output=True) as (address, _):
-        worker = Client(address).register("bench-model", LAYOUT)
-        unary = Client(address, streamed_calls=False).register("bench-model", LAYOUT)
+        workers = {way: Client(address, **options).register("bench-model", LAYOUT)
+                   for way, options in WAYS.items()}
         keys = {}
         for tokens in (4096, 32768):
-            keys[tokens] = worker.keys(prompt(tokens))
+            keys[tokens] = workers["lane"].keys(prompt(tokens))
             pages = len(keys[tokens])
-            worker.store(keys=keys[tokens], kv_rows=range(pages), checkpoints={pages * 16: 0})
-            assert worker.match(keys=keys[tokens]).pages == pages
+            workers["lane"].store(keys=keys[tokens], kv_rows=range(pages), checkpoints={pages * 16: 0})
+            assert workers["lane"].match(keys=keys[tokens]).pages == pages
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
         empty = percentiles(lambda: health.Check(health_pb2.HealthCheckRequest()))
-        match = {t: percentiles(lambda t=t: worker.match(keys=keys[t])) for t in keys}
-        match_unary = {t: percentiles(lambda t=t: unary.match(keys=keys[t])) for t in keys}
-        assert worker._backend._calls._replies is not None  # the matches went on the stream
-        per_s = throughput(address, b"".join(keys[4096]), streamed=True)
-        unary_per_s = throughput(address, b"".join(keys[4096]))
-        empty_per_s = throughput(address, b"")
-        worker.close()
-        unary.close()
+        match = {way: {t: percentiles(lambda t=t: worker.match(keys=keys[t])) for t in keys}
+                 for way, worker in workers.items()}
+        lane = workers["lane"]._backend._ways[0]
+        assert lane._number > 4000, "the lane's matches went elsewhere"
+        per_s = {way: throughput(address, 4096, way) for way in WAYS}
+        empty_per_s = throughput(address, 0)
+        for worker in workers.values():
+            worker.close()
     rows = [("empty RPC (health)", empty[0] * 1e6, empty[1] * 1e6, 1.0)]
-    for how, got in (("streamed", match), ("a call of its own", match_unary)):
-        rows += [(f"match {t // 1024}k ({t // 16} pages), {how}", m[0] * 1e6, m[1] * 1e6,
+    for way, got in match.items():
+        rows += [(f"match {t // 1024}k ({t // 16} pages), {way}", m[0] * 1e6, m[1] * 1e6,
                   m[0] / empty[0]) for t, m in got.items()]
     print_table("Match over the Unix socket", ["call", "p50 us", "p99 us", "p50 / empty"], rows)
-    print(f"{CLIENTS} client processes: match 4k {per_s:.0f}/s streamed, {unary_per_s:.0f}/s as "
-          f"calls of their own; the empty RPC {empty_per_s:.0f}/s on the same daemon "
-          f"({per_s / empty_per_s:.2f}, {unary_per_s / empty_per_s:.2f})")
-    print_summary(match32k_over_empty_p50=match[32768][0] / empty[0],
-                  match4k_over_empty_p50=match[4096][0] / empty[0],
-                  match32k_unary_over_empty_p50=match_unary[32768][0] / empty[0],
-                  match_per_s_8_clients=per_s, match_unary_per_s_8_clients=unary_per_s,
+    print(f"{CLIENTS} client processes: match 4k " + ", ".join(
+        f"{n:.0f}/s {way} ({n / empty_per_s:.2f})" for way, n in per_s.items())
+        + f"; the empty RPC {empty_per_s:.0f}/s on the same daemon")
+    print_summary(match32k_over_empty_p50=match["lane"][32768][0] / empty[0],
+                  match4k_over_empty_p50=match["lane"][4096][0] / empty[0],
+                  match32k_streamed_over_empty_p50=match["streamed"][32768][0] / empty[0],
+                  match32k_unary_over_empty_p50=match["a call of its own"][32768][0] / empty[0],
+                  match_per_s_8_clients=per_s["lane"], match_streamed_per_s_8_clients=per_s["streamed"],
+                  match_unary_per_s_8_clients=per_s["a call of its own"],
                   empty_per_s_8_clients=empty_per_s,
-                  match_over_empty_per_s=per_s / empty_per_s, empty_p50_us=empty[0] * 1e6)
-
+                  match_over_empty_per_s=per_s["lane"] / empty_per_s, empty_p50_us=empty[0] * 1e6)
 
 if __name__ == "__main__":
     main()

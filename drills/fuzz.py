@@ -8,7 +8,9 @@ each RPC's message field by field: worker ids that exist, belong to another tena
 not; keys of the caller's prompts, of *other namespaces'* prompts, with a key repeated,
 or random; checks that fit or not; row ids, slots and checkpoints in and out of range;
 layouts with odd shapes, sizes and dtypes; tickets fresh, spent or made up, and CUDA
-handles; credentials valid, another tenant's, malformed or absent; deadlines past.
+handles; credentials valid, another tenant's, malformed or absent; deadlines past. A
+Match, Load or Store goes as a call of its own, as the message of a Calls stream, or
+through the lane (tiercache/lane.py) of one of the four workers, its own or another's.
 
 Three oracles watch every input:
 - statuses: a call must end with a reply or a deliberate status, never an exception
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import tempfile
 import time
 import traceback
@@ -56,14 +59,15 @@ from tiercache_service.workers import WorkerRegistry
 from drills import keyed, prompts
 from tiercache import invariants
 from tiercache.engine import Engine, EngineConfig
-from tiercache.errors import FailedPrecondition
+from tiercache.errors import FailedPrecondition, TiercacheError
 from tiercache.hashing import page_chain
 from tiercache.layout import BufferSpec, Layout
-from tiercache import shm
+from tiercache import lane, shm
 from tiercache.shm import SharedBuffers
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
 from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.wire import status_of
 from tiercache.wire import layout_to_proto, status_from
 
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
@@ -96,6 +100,7 @@ class Worker:
     shared: SharedBuffers
     keys: list[list[bytes]]  # per prompt, as this worker sends them
     checks: list[bytes]
+    lane: lane.Lane | None = None  # its lane of calls, opened once registered
 
     @property
     def rows(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -144,7 +149,7 @@ def build_world(folder: Path) -> World:
                               tickets=handover)
     servicer = TiercacheServicer(engine, registry, MAX_PAGES, Authenticator(tenants))
     world = World(servicer, engine, handover, {})
-    for method in ("Match", "Load", "Store", "Evict", "Stats", "Unregister", "Settle"):
+    for method in ("Match", "Load", "Store", "Evict", "Stats", "Unregister", "Settle", "OpenLane"):
         world.handlers[method] = guarded(servicer, method)
     world.handlers["Register"] = guarded(servicer, "Register", "unary_stream")
     world.handlers["Calls"] = guarded(servicer, "Calls", "stream_stream")
@@ -157,9 +162,12 @@ def build_world(folder: Path) -> World:
             token_context(tenant)))
         chains = [page_chain(prompts.tokens(p), reply.namespace_root, prompts.PAGE)
                   for p in range(PROMPTS)]
-        world.workers[tenant, name] = Worker(tenant, layout, reply.worker_id, shared,
-                                             [c.keys for c in chains],
-                                             [c.checks.astype("<u8").tobytes() for c in chains])
+        worker = Worker(tenant, layout, reply.worker_id, shared, [c.keys for c in chains],
+                        [c.checks.astype("<u8").tobytes() for c in chains],
+                        lane.Lane(lambda id=reply.worker_id: id in registry))
+        servicer.OpenLane(pb.OpenLaneRequest(worker_id=worker.id, lane=pb.SharedMemoryBuffer(
+            ticket=worker.lane.hand_over(handover.path))), token_context(tenant))
+        world.workers[tenant, name] = worker
     return world
 
 
@@ -218,11 +226,14 @@ def foreign_bytes(world: World, worker: Worker, request: pb.LoadRequest, reply,
     return wrong
 
 
-def call(world: World, method: str, request, context: Context, timeout: float | None = None):
-    """One call as gRPC would make it; returns the reply or the abort's code. With a
-    `timeout`, a Match, Load or Store goes as the message of a Calls stream instead."""
-    if timeout is not None:
-        return streamed(world, method, request, context, timeout)
+def call(world: World, method: str, request, context: Context, way: tuple | None = None):
+    """One call as gRPC would make it; returns the reply or the abort's code. With a `way`,
+    a Match, Load or Store goes as the message of a Calls stream (("stream", timeout))
+    or through a worker's lane (("lane", timeout, its namespace)) instead."""
+    if way is not None and way[0] == "lane":
+        return in_lane(world.workers[way[2]].lane, method, request, way[1])
+    if way is not None:
+        return streamed(world, method, request, context, way[1])
     handler = world.handlers.get(method) or getattr(world.servicer, method)
     try:
         if method == "Register":
@@ -256,6 +267,17 @@ def streamed(world: World, method: str, request, context: Context, timeout: floa
     return getattr(reply, kind)
 
 
+def in_lane(way: lane.Lane, method: str, request, timeout: float):
+    """The call as a message in a worker's lane: its reply, or its reply's code."""
+    reply = way.start(method.lower(), request, timeout)
+    if reply is None:  # too large for a lane
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    try:
+        return reply()
+    except TiercacheError as error:
+        return status_of(error)
+
+
 def caller_tenant(context: Context) -> str | None:
     tokens = {f"Bearer {t}": name for name, t in TOKENS.items()}
     found = [tokens.get(v) for k, v in context.metadata if k == "authorization"]
@@ -263,7 +285,7 @@ def caller_tenant(context: Context) -> str | None:
 
 
 def fuzzed_call(world: World, method: str, request, context: Context,
-                timeout: float | None = None) -> tuple[object, list[str]]:
+                way: tuple | None = None) -> tuple[object, list[str]]:
     """The call, with the isolation oracle around it: (reply or code, foreign bytes)."""
     worker = world.owner(getattr(request, "worker_id", ""))
     if method == "Register" and request.buffers and request.buffers[0].shm.ticket == FRESH:
@@ -275,10 +297,18 @@ def fuzzed_call(world: World, method: str, request, context: Context,
         for location in request.buffers:
             if location.HasField("shm"):
                 location.shm.ticket = ticket
+    if method == "OpenLane" and request.lane.ticket == FRESH:  # a real lane, or another memfd
+        fd, _ = shm.sealed(lane.LANE_BYTES if request.lane.offset % 2 else 4096, "fuzzed-lane")
+        try:
+            request.lane.ticket = shm.hand_over(world.handover.path, fd)
+        except FailedPrecondition:
+            request.lane.ticket = b"\x00" * 16
+        finally:
+            os.close(fd)
     if method == "Store" and worker is not None:
         prepare_store(world, worker, request, caller_tenant(context))
     before = [t.clone() for t in sum(worker.rows, [])] if worker is not None and method == "Load" else None
-    reply = call(world, method, request, context, timeout)
+    reply = call(world, method, request, context, way)
     wrong = foreign_bytes(world, worker, request, reply, before) if before is not None else []
     return reply, wrong
 
@@ -389,6 +419,8 @@ def requests_for(world: World, worker: Worker):
                   mostly(st.sampled_from([0, 1, 2, 4]), st.integers(-2**31, 2**31 - 1))),
         st.just(("Stats", pb.StatsRequest())),
         st.builds(lambda w: ("Unregister", pb.UnregisterRequest(worker_id=w)), st.text(max_size=30)),
+        st.builds(lambda w, t, o: ("OpenLane", pb.OpenLaneRequest(worker_id=w, lane=pb.SharedMemoryBuffer(
+            ticket=t, offset=o))), wid, st.sampled_from([FRESH, FRESH, b"\0" * 16, b"", b"x" * 40]), u64()),
         st.builds(lambda m, lay, b, x, h: ("Register", pb.RegisterRequest(
             model_id=m, layout=lay, buffers=b, extra_keys=x, hash=h)),
             st.one_of(st.just(prompts.MODEL), st.text(max_size=30)), layouts(), buffer_locations(),
@@ -397,11 +429,16 @@ def requests_for(world: World, worker: Worker):
 
 
 def steps(world: World):
-    """((method, request), context, timeout): a call as one of the four workers would make
-    it; with a timeout (seconds, or anything), a Match, Load or Store goes on a Calls stream."""
-    timeout = st.one_of(st.none(), mostly(st.just(0.0), st.floats()))
+    """((method, request), context, way): a call as one of the four workers would make it;
+    with a way (call's docstring), a Match, Load or Store goes on a Calls stream or through
+    a lane, with a timeout of seconds or anything."""
+    timeout = mostly(st.just(0.0), st.floats())
+
+    def way(ns):  # mostly the worker's own lane
+        return st.one_of(st.none(), st.tuples(st.just("stream"), timeout), st.tuples(
+            st.just("lane"), timeout, mostly(st.just(ns), st.sampled_from(NAMESPACES), 0.8)))
     return st.sampled_from(NAMESPACES).flatmap(lambda ns: st.tuples(
-        requests_for(world, world.workers[ns]), contexts(world, ns[0]), timeout))
+        requests_for(world, world.workers[ns]), contexts(world, ns[0]), way(ns)))
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -425,11 +462,11 @@ def run(examples: int, seed: int = 0, folder: Path | None = None) -> Outcome:
                   phases=[Phase.generate], suppress_health_check=list(HealthCheck))
         @given(steps(world))
         def one(step):
-            (method, message), context, timeout = step
-            timeout = timeout if method in STREAMED else None
-            outcome.calls[method if timeout is None else "Calls"] += 1
+            (method, message), context, way = step
+            way = way if method in STREAMED else None
+            outcome.calls[method if way is None else {"stream": "Calls", "lane": "lane"}[way[0]]] += 1
             try:
-                reply, wrong = fuzzed_call(world, method, message, context, timeout)
+                reply, wrong = fuzzed_call(world, method, message, context, way)
             except BaseException:  # noqa: BLE001 - anything escaping is a finding
                 outcome.failures.append(f"{method} raised: {message!r:.300}\n{traceback.format_exc()}")
                 return
@@ -478,7 +515,8 @@ def still_serves(world: World) -> bool:
 
 
 # -- raw bytes against a daemon process --------------------------------------------------
-METHODS = ("Register", "Unregister", "Match", "Load", "Store", "Evict", "Stats", "Settle", "Calls")
+METHODS = ("Register", "Unregister", "Match", "Load", "Store", "Evict", "Stats", "Settle", "Calls",
+           "OpenLane")
 
 
 def run_raw(messages: int, seed: int = 0) -> tuple[collections.Counter, bool]:

@@ -175,9 +175,6 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         if not context.add_callback(lambda: self.registry.remove(registration.id)):
             self.registry.remove(registration.id)  # the call ended already
             return
-        if registration.lane is not None:
-            lanes.serve(registration.lane, lanes.Caller.of(context, registration), self._answer,
-                        self.stopping)
         namespace = registration.namespace
         yield pb.RegisterResponse(worker_id=registration.id, namespace_root=registration.root,
                                   reads_packed_rows=True, takes_calls=True,
@@ -185,7 +182,7 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                                   hash=namespace.hash_name,
                                   reads_signals=registration.signals is not None,
                                   pid=os.getpid(), started=process_started(os.getpid()) or 0,
-                                  takes_lane=registration.lane is not None)
+                                  takes_lanes=True)
         while not registration.gone.wait(1.0) and not self.stopping.is_set() and context.is_active():
             pass
 
@@ -296,6 +293,18 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
                 with self._binding:
                     if bound.calls == context.cancel:  # not yet bound to a newer stream
                         bound.calls = None
+
+    def OpenLane(self, request: pb.OpenLaneRequest, context: grpc.ServicerContext
+                 ) -> pb.OpenLaneResponse:
+        """A worker's lane of calls (service/lanes.py), answered as this call's caller."""
+        try:
+            with self._worker(request.worker_id, context) as worker:
+                mapping = self.registry.give_lane(worker, request.lane.ticket)
+                lanes.serve(mapping, lanes.Caller.of(context, worker), self._answer, self.stopping)
+        except BaseException:
+            self.registry.discard_ticket(request.lane.ticket)  # spent by a failed call too
+            raise
+        return pb.OpenLaneResponse()
 
     def _answer(self, message: pb.CallRequest, kind: str, context: calls.Caller) -> pb.CallReply:
         """The reply to one message of a stream or a lane of calls."""

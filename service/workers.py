@@ -21,8 +21,8 @@ from tiercache import cuda_ipc, lane, shm, tenancy
 from tiercache.cuda_ipc import OpenedEvents
 from tiercache.signals import DaemonSignals
 from tiercache.buffers import WorkerBuffers
-from tiercache.errors import (InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
-                              TiercacheError)
+from tiercache.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
+                              ResourceExhausted, TiercacheError)
 from tiercache.hashing import Namespace, PageKey
 from tiercache.layout import Layout
 from tiercache.v1 import tiercache_pb2 as pb
@@ -218,8 +218,6 @@ class WorkerRegistry:
             for location in request.buffers:
                 if location.HasField("shm"):
                     self._tickets.discard(location.shm.ticket)
-            if request.HasField("lane"):
-                self._tickets.discard(request.lane.ticket)
             raise
 
     def _add(self, request: pb.RegisterRequest, identity: Identity, hash_name: str) -> Registration:
@@ -241,8 +239,6 @@ class WorkerRegistry:
         buffers, opened = map_buffers(layout, request.buffers, self.limits, self._tickets.redeem)
         try:
             signals = _open_signals(request, buffers, opened)
-            lane_mapping = lane.check(self._tickets.redeem(request.lane.ticket)) \
-                if request.HasField("lane") else None
         except BaseException:
             for allocation in opened:
                 allocation.close()
@@ -253,8 +249,7 @@ class WorkerRegistry:
         registration = Registration(secrets.token_hex(12), namespace, root, buffers, opened,
                                     identity=identity, mask=mask, group=membership,
                                     handles=frozenset(bytes(loc.cuda.handle) for loc in locations
-                                                      if loc.HasField("cuda")), signals=signals,
-                                    lane=lane_mapping)
+                                                      if loc.HasField("cuda")), signals=signals)
         with self._changed:
             try:
                 self._check_room(identity.tenant)
@@ -266,6 +261,20 @@ class WorkerRegistry:
                 raise
             self._workers[registration.id] = registration
         return registration
+
+    def give_lane(self, registration: Registration, ticket: bytes) -> ctypes.Array:
+        """The lane (tiercache/lane.py) handed over under `ticket`, now `registration`'s:
+        one per registration."""
+        mapping = lane.check(self._tickets.redeem(ticket))
+        with self._changed:
+            if registration.lane is not None:
+                raise FailedPrecondition("this worker has a lane already: one per registration")
+            registration.lane = mapping
+        return mapping
+
+    def discard_ticket(self, ticket: bytes) -> None:
+        """Forget a shared-memory ticket that a failed call named."""
+        self._tickets.discard(ticket)
 
     def _check_handles(self, locations: Sequence[pb.BufferLocation], identity: Identity) -> None:
         """Refuse CUDA allocations that another identity's worker has registered: a

@@ -612,18 +612,16 @@ class Client:
             tensors, locations = dict(buffers), _cuda_locations(buffers)
             device = next(iter(tensors.values())).device
         signals = _signals(device)
-        lane, ticket = self._lane()
         request = pb.RegisterRequest(model_id=model_id, layout=layout_to_proto(layout),
                                      extra_keys=extra_keys, hash=hash_name, buffers=locations,
                                      group=group.to_proto() if group is not None else None,
-                                     signals=_signals_location(signals),
-                                     lane=pb.SharedMemoryBuffer(ticket=ticket) if lane else None)
+                                     signals=_signals_location(signals))
         try:
             stream: Iterator[pb.RegisterResponse] = self._stub.Register(request,
                                                                       metadata=self._metadata)
             reply = answered(lambda: next(stream))
         except (TiercacheError, StopIteration) as error:
-            for owned in (shared, signals, lane):
+            for owned in (shared, signals):
                 if owned is not None:
                     owned.close()
             if isinstance(error, StopIteration):
@@ -634,11 +632,9 @@ class Client:
             signals = None
         seen = reply.pid and process_started(reply.pid) == reply.started
         ways: list[Lane | CallStream] = []
-        if lane is not None and reply.takes_lane:
-            lane.taken(alive=lambda: not stream.done())
-            ways.append(lane)
-        elif lane is not None:  # an older daemon
-            lane.close()
+        if self.lanes and reply.takes_lanes and self.handover is not None:
+            lane = self._lane(reply.worker_id, alive=lambda: not stream.done())
+            ways += [lane] if lane is not None else []
         if self.streamed_calls and reply.takes_calls:
             ways.append(CallStream(lambda requests: self._stub.Calls(requests, metadata=self._metadata)))
         backend = _Remote(self._stub, reply.worker_id, stream, shared, device, self.timeout,
@@ -646,18 +642,21 @@ class Client:
                           (reply.pid, reply.started) if seen else None, ways)
         return Worker(backend, layout, PageKey(reply.namespace_root), reply.hash, tensors)
 
-    def _lane(self) -> tuple[Lane | None, bytes]:
-        """A new lane and the ticket of its handover, where this client takes lanes and the
-        daemon is on this node; else (None, b"")."""
-        if not self.lanes or self.handover is None:
-            return None, b""
-        lane = Lane()
+    def _lane(self, worker_id: str, alive: Callable[[], bool]) -> Lane | None:
+        """A lane of calls for the worker just registered, handed over and opened; None if
+        the daemon would not take it (the worker's calls then go on its stream)."""
+        lane = Lane(alive)
         try:
-            return lane, lane.hand_over(self.handover)
-        except TiercacheError as error:  # a daemon elsewhere that shares our socket's name
+            ticket = lane.hand_over(self._handover())
+            answered(lambda: self._stub.OpenLane(pb.OpenLaneRequest(
+                worker_id=worker_id, lane=pb.SharedMemoryBuffer(ticket=ticket)),
+                timeout=self.timeout, metadata=self._metadata))
+        except TiercacheError as error:
             lane.close()
-            log.info("no lane of calls: %s", error)
-            return None, b""
+            log.warning("no lane of calls for worker %s (its calls go on its stream): %s",
+                        worker_id, error)
+            return None
+        return lane
 
     def _handover(self) -> str:
         if self.handover is None:

@@ -10,10 +10,10 @@ on the number's word, wakes, answers, writes the reply and publishes the same nu
 the reply's word, on which the worker sleeps (tiercache/_lane.c: a futex on a word both
 processes map).
 
-A lane is a sealed memfd (tiercache.shm) the worker creates and hands over like
-shared-memory buffers; its registration names it by ticket (RegisterRequest.lane). It is
-tied to that registration: the daemon answers its calls as the identity that registered,
-for that worker only. Its layout, in bytes:
+A lane is a sealed memfd (tiercache.shm) the worker creates once registered, hands over
+like shared-memory buffers and opens by ticket (the OpenLane RPC). It is tied to that
+registration: the daemon answers its calls as the caller that opened it (who must be the
+one that registered), for that worker only. Its layout, in bytes:
 
     0       the request's number (uint32, written by the worker once the request is in)
     64      the request's length
@@ -57,13 +57,14 @@ _SPIN = 50e-6
 class Lane:
     """The worker's side of a lane."""
 
-    def __init__(self) -> None:
+    def __init__(self, alive: Callable[[], bool]) -> None:
+        """A new lane, to a daemon that is there while `alive()`."""
         self._fd: int | None
         self._fd, self._mapping = shm.sealed(LANE_BYTES, "tiercache-lane")
         self._view = memoryview(self._mapping).cast("B")
         self._lock = threading.Lock()
         self._number = 0  # the last request's
-        self._alive: Callable[[], bool] = lambda: True
+        self._alive = alive
         self._closed = False
 
     def hand_over(self, path: str) -> bytes:
@@ -73,10 +74,6 @@ class Lane:
             return shm.hand_over(path, self._fd)
         finally:
             self._close_fd()
-
-    def taken(self, alive: Callable[[], bool]) -> None:
-        """The daemon took the lane, and is there while `alive()`."""
-        self._alive = alive
 
     def send(self, kind: str, request: Any, timeout: float) -> Any | None:
         """The reply to `request` (CallRequest's field `kind`), waited for at most `timeout`

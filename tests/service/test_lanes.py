@@ -223,19 +223,34 @@ def test_a_lanes_thread_ends_with_its_registration(tmp_path):
         client.close()
 
 
-def test_a_lane_of_another_size_is_refused(tmp_path):
-    with running_daemon(tmp_path) as (address, _):
-        fd, _mapping = lane_module.shm.sealed(LANE_BYTES - 4096, "not-a-lane")
-        ticket = lane_module.shm.hand_over(address.removeprefix("unix:") + ".fds", fd)
-        os.close(fd)
-        from tiercache.wire import layout_to_proto
+def test_open_lane_refuses_what_is_not_a_lane_of_the_callers_worker_and_spends_the_ticket(tmp_path):
+    tenants = tenants_file(tmp_path / "conf")
+    with running_daemon(tmp_path / "data", "--tenants-file", tenants) as (address, _):
+        acme = Client(address, token="acme-token", lanes=False).register("test-model", LAYOUT)
+        path = address.removeprefix("unix:") + ".fds"
         stub = pb_grpc.TiercacheStub(grpc.insecure_channel(address))
-        shared = lane_module.shm.SharedBuffers.create(LAYOUT)
-        buffers_ticket = shared.hand_over(address.removeprefix("unix:") + ".fds")
-        request = pb.RegisterRequest(
-            model_id="test-model", layout=layout_to_proto(LAYOUT), lane=pb.SharedMemoryBuffer(ticket=ticket),
-            buffers=[pb.BufferLocation(name=p.spec.name, nbytes=p.nbytes, shm=pb.SharedMemoryBuffer(
-                ticket=buffers_ticket, offset=p.offset)) for p in shared.placements])
-        with pytest.raises(grpc.RpcError) as refused:
-            next(stub.Register(request))
-        assert refused.value.code() == CODE.INVALID_ARGUMENT and "lane" in refused.value.details()
+        as_acme = (("authorization", "Bearer acme-token"),)
+
+        def open_lane(size: int, worker_id: str, metadata=as_acme) -> grpc.StatusCode:
+            fd, _ = lane_module.shm.sealed(size, "a-lane")
+            ticket = lane_module.shm.hand_over(path, fd)
+            os.close(fd)
+            try:
+                stub.OpenLane(pb.OpenLaneRequest(worker_id=worker_id, lane=pb.SharedMemoryBuffer(
+                    ticket=ticket)), metadata=metadata)
+                return CODE.OK
+            except grpc.RpcError as error:
+                return error.code()
+        me = acme._backend._id
+        # ten refusals in a row: each spends its ticket (a process may leave at most 8 waiting)
+        for _ in range(5):
+            assert open_lane(LANE_BYTES - 4096, me) == CODE.INVALID_ARGUMENT  # not a lane's size
+            assert open_lane(LANE_BYTES, "nobody") == CODE.NOT_FOUND
+        assert open_lane(LANE_BYTES, me, (("authorization", "Bearer beta-token"),)) == CODE.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as unknown:
+            stub.OpenLane(pb.OpenLaneRequest(worker_id=me, lane=pb.SharedMemoryBuffer(ticket=b"x" * 16)),
+                          metadata=as_acme)
+        assert unknown.value.code() == CODE.NOT_FOUND
+        assert open_lane(LANE_BYTES, me) == CODE.OK
+        assert open_lane(LANE_BYTES, me) == CODE.FAILED_PRECONDITION  # one lane per registration
+        acme.close()

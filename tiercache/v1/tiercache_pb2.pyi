@@ -100,7 +100,7 @@ class Group(_message.Message):
     def __init__(self, id: _Optional[str] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("model_id", "layout", "buffers", "extra_keys", "hash", "group", "signals", "lane")
+    __slots__ = ("model_id", "layout", "buffers", "extra_keys", "hash", "group", "signals")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
@@ -108,7 +108,6 @@ class RegisterRequest(_message.Message):
     HASH_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SIGNALS_FIELD_NUMBER: _ClassVar[int]
-    LANE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     layout: Layout
     buffers: _containers.RepeatedCompositeFieldContainer[BufferLocation]
@@ -116,11 +115,10 @@ class RegisterRequest(_message.Message):
     hash: str
     group: Group
     signals: BufferLocation
-    lane: SharedMemoryBuffer
-    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferLocation, _Mapping]]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., hash: _Optional[str] = ..., group: _Optional[_Union[Group, _Mapping]] = ..., signals: _Optional[_Union[BufferLocation, _Mapping]] = ..., lane: _Optional[_Union[SharedMemoryBuffer, _Mapping]] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferLocation, _Mapping]]] = ..., extra_keys: _Optional[_Iterable[str]] = ..., hash: _Optional[str] = ..., group: _Optional[_Union[Group, _Mapping]] = ..., signals: _Optional[_Union[BufferLocation, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "namespace_root", "layout_fingerprint", "hash", "reads_packed_rows", "reads_signals", "pid", "started", "takes_calls", "takes_lane")
+    __slots__ = ("worker_id", "namespace_root", "layout_fingerprint", "hash", "reads_packed_rows", "reads_signals", "pid", "started", "takes_calls", "takes_lanes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ROOT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -130,7 +128,7 @@ class RegisterResponse(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     TAKES_CALLS_FIELD_NUMBER: _ClassVar[int]
-    TAKES_LANE_FIELD_NUMBER: _ClassVar[int]
+    TAKES_LANES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     namespace_root: bytes
     layout_fingerprint: str
@@ -140,8 +138,20 @@ class RegisterResponse(_message.Message):
     pid: int
     started: int
     takes_calls: bool
-    takes_lane: bool
-    def __init__(self, worker_id: _Optional[str] = ..., namespace_root: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., hash: _Optional[str] = ..., reads_packed_rows: _Optional[bool] = ..., reads_signals: _Optional[bool] = ..., pid: _Optional[int] = ..., started: _Optional[int] = ..., takes_calls: _Optional[bool] = ..., takes_lane: _Optional[bool] = ...) -> None: ...
+    takes_lanes: bool
+    def __init__(self, worker_id: _Optional[str] = ..., namespace_root: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ..., hash: _Optional[str] = ..., reads_packed_rows: _Optional[bool] = ..., reads_signals: _Optional[bool] = ..., pid: _Optional[int] = ..., started: _Optional[int] = ..., takes_calls: _Optional[bool] = ..., takes_lanes: _Optional[bool] = ...) -> None: ...
+
+class OpenLaneRequest(_message.Message):
+    __slots__ = ("worker_id", "lane")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    lane: SharedMemoryBuffer
+    def __init__(self, worker_id: _Optional[str] = ..., lane: _Optional[_Union[SharedMemoryBuffer, _Mapping]] = ...) -> None: ...
+
+class OpenLaneResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class CallRequest(_message.Message):
     __slots__ = ("match", "load", "store", "timeout_seconds", "request_id")

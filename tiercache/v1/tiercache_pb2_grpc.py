@@ -84,6 +84,11 @@ class TiercacheStub:
                 request_serializer=tiercache_dot_v1_dot_tiercache__pb2.CallRequest.SerializeToString,
                 response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.CallReply.FromString,
                 _registered_method=True)
+        self.OpenLane = channel.unary_unary(
+                '/tiercache.v1.Tiercache/OpenLane',
+                request_serializer=tiercache_dot_v1_dot_tiercache__pb2.OpenLaneRequest.SerializeToString,
+                response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.OpenLaneResponse.FromString,
+                _registered_method=True)
 
 
 class TiercacheServicer:
@@ -174,6 +179,15 @@ class TiercacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenLane(self, request, context):
+        """One registered worker's Match, Load and Store through shared memory of its own, for a
+        worker on the daemon's node (OpenLaneRequest). Offered where
+        RegisterResponse.takes_lanes is set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TiercacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +240,11 @@ def add_TiercacheServicer_to_server(servicer, server):
                     servicer.Calls,
                     request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.CallRequest.FromString,
                     response_serializer=tiercache_dot_v1_dot_tiercache__pb2.CallReply.SerializeToString,
+            ),
+            'OpenLane': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenLane,
+                    request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.OpenLaneRequest.FromString,
+                    response_serializer=tiercache_dot_v1_dot_tiercache__pb2.OpenLaneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -498,6 +517,33 @@ class Tiercache:
             '/tiercache.v1.Tiercache/Calls',
             tiercache_dot_v1_dot_tiercache__pb2.CallRequest.SerializeToString,
             tiercache_dot_v1_dot_tiercache__pb2.CallReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiercache.v1.Tiercache/OpenLane',
+            tiercache_dot_v1_dot_tiercache__pb2.OpenLaneRequest.SerializeToString,
+            tiercache_dot_v1_dot_tiercache__pb2.OpenLaneResponse.FromString,
             options,
             channel_credentials,
             insecure,
