@@ -1,6 +1,6 @@
 /* A word of shared memory that one process publishes and another waits on (tiercache/lane.py):
-   a release store followed by a futex wake, and a wait that spins a while, then sleeps in
-   the kernel until the word changes. The futex is not private: the word lies in a memfd
+   a release store followed by a futex wake, and a wait that spins a while (yielding its
+   CPU to any thread that wants it), then sleeps in the kernel until the word changes. The futex is not private: the word lies in a memfd
    both processes map, and the kernel keys such a futex by the file and offset, whatever
    address each process maps it at. The GIL is released while waiting. */
 
@@ -12,15 +12,8 @@
 #include <stdint.h>
 #include <sys/syscall.h>
 #include <time.h>
+#include <sched.h>
 #include <unistd.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define RELAX() __asm__ __volatile__("yield")
-#else
-#define RELAX() do {} while (0)
-#endif
 
 /* The aligned 32-bit word at `offset` of a writable buffer, or NULL with an error set. */
 static uint32_t *word_at(Py_buffer *buffer, Py_ssize_t offset) {
@@ -84,7 +77,7 @@ static PyObject *wait(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     double start = now(), left;
     while ((seen = __atomic_load_n(word, __ATOMIC_ACQUIRE)) == value && now() - start < spin)
-        RELAX();
+        sched_yield();  /* a CPU that others need goes to them: the other end may be one */
     while (seen == value && (left = timeout - (now() - start)) > 0) {
         struct timespec ts = {(time_t)left, (long)((left - (time_t)left) * 1e9)};
         syscall(SYS_futex, word, FUTEX_WAIT, value, &ts, NULL, 0);  /* EAGAIN, EINTR, ETIMEDOUT: look again */

@@ -49,7 +49,8 @@ REPLY_BYTES = 1 << 20
 LANE_BYTES = HEADER + REQUEST_BYTES + REPLY_BYTES
 _REPLY_AT = HEADER + REQUEST_BYTES
 _SLICE = 0.05  # seconds between a waiting worker's looks at whether the daemon is still there
-# A worker spins this long for its reply before it sleeps: a thread asleep wakes tens to
+# A worker spins this long for its reply before it sleeps, yielding its CPU to any thread
+# that wants it (tiercache/_lane.c): a thread asleep wakes tens to
 # hundreds of microseconds after it is woken, on a virtual machine's halted CPU. A 32k
 # reload from the device tier took 1.03 ms spinning 2 ms, 1.16 ms spinning 50 us (H200,
 # benchmarks/RESULTS.md).
