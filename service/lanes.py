@@ -1,6 +1,7 @@
 """A registered worker's lane (tiercache/lane.py), served by a thread of its own: each
 request is answered as the same message on the worker's stream of calls would be
-(service/calls.py), as the caller that registered the worker, and for that worker only.
+(service/calls.py), as the caller that opened the lane (the one that registered the
+worker), and for that worker only.
 
 A lane holds one call at a time, as a stream does, and its thread lives as long as the
 registration: open lanes stay within --max-workers. Whatever a worker writes into its
@@ -30,9 +31,10 @@ _IDLE = 0.25  # seconds a lane's thread sleeps before it looks whether its regis
 
 
 @dataclass(frozen=True)
-class Caller:
-    """Who registered, as the registration's call showed them: every call in the lane is
-    answered as them (service/auth.py reads the first three), while the registration lasts."""
+class Opener:
+    """Who opened the lane, as their OpenLane call showed them (the worker's registrant: the
+    servicer checked): every call in the lane is answered as them (service/auth.py reads the
+    first three), while the registration lasts."""
 
     metadata: tuple[Any, ...]
     auth: dict[str, list[bytes]]
@@ -40,7 +42,7 @@ class Caller:
     registration: Registration
 
     @classmethod
-    def of(cls, context: grpc.ServicerContext, registration: Registration) -> "Caller":
+    def of(cls, context: grpc.ServicerContext, registration: Registration) -> "Opener":
         return cls(tuple(context.invocation_metadata() or ()), dict(context.auth_context() or {}),
                    context.peer(), registration)
 
@@ -57,29 +59,29 @@ class Caller:
         return not self.registration.gone.is_set()
 
 
-# the reply to one message of the lane, answered as `caller`
-Answer = Callable[[pb.CallRequest, str, Caller], pb.CallReply]
+# the reply to one message of the lane, answered as `opener`
+Answer = Callable[[pb.CallRequest, str, Opener], pb.CallReply]
 
 
-def serve(mapping: ctypes.Array, caller: Caller, answer: Answer, stopping: threading.Event
+def serve(mapping: ctypes.Array, opener: Opener, answer: Answer, stopping: threading.Event
           ) -> threading.Thread:
-    """Start the thread that answers the calls in `mapping`, a lane of `caller`'s
+    """Start the thread that answers the calls in `mapping`, a lane of `opener`'s
     registration, until the registration ends or the daemon stops."""
-    thread = threading.Thread(target=_serve, args=(mapping, caller, answer, stopping),
-                              name=f"tiercache-lane-{caller.registration.id[:8]}", daemon=True)
+    thread = threading.Thread(target=_serve, args=(mapping, opener, answer, stopping),
+                              name=f"tiercache-lane-{opener.registration.id[:8]}", daemon=True)
     thread.start()
     return thread
 
 
-def _serve(mapping: ctypes.Array, caller: Caller, answer: Answer, stopping: threading.Event) -> None:
+def _serve(mapping: ctypes.Array, opener: Opener, answer: Answer, stopping: threading.Event) -> None:
     seen = 0
-    while not (caller.registration.gone.is_set() or stopping.is_set()):
+    while not (opener.registration.gone.is_set() or stopping.is_set()):
         seen, data = lane.next_request(mapping, seen, _IDLE)
         if data is not None:
-            lane.reply(mapping, seen, _answered(data, caller, answer))
+            lane.reply(mapping, seen, _answered(data, opener, answer))
 
 
-def _answered(data: bytes, caller: Caller, answer: Answer) -> bytes:
+def _answered(data: bytes, opener: Opener, answer: Answer) -> bytes:
     """The serialised reply to one request's bytes, whatever they hold."""
     try:
         try:
@@ -90,10 +92,10 @@ def _answered(data: bytes, caller: Caller, answer: Answer) -> bytes:
         kind = message.WhichOneof("call")
         if kind is None:
             raise InvalidArgument("a CallRequest names no call: give match, load or store")
-        if getattr(message, kind).worker_id != caller.registration.id:
-            raise InvalidArgument(f"this lane carries worker {caller.registration.id!r}'s calls: "
+        if getattr(message, kind).worker_id != opener.registration.id:
+            raise InvalidArgument(f"this lane carries worker {opener.registration.id!r}'s calls: "
                                   "use the lane of the worker you name")
-        reply = answer(message, kind, caller)
+        reply = answer(message, kind, opener)
     except Exception as error:  # noqa: BLE001 - answered, never the thread's end
         code, details = answer_of(error, "a lane's call")
         reply = pb.CallReply(code=code.value[0], details=details)

@@ -300,7 +300,7 @@ class TiercacheServicer(pb_grpc.TiercacheServicer):
         try:
             with self._worker(request.worker_id, context) as worker:
                 mapping = self.registry.give_lane(worker, request.lane.ticket)
-                lanes.serve(mapping, lanes.Caller.of(context, worker), self._answer, self.stopping)
+                lanes.serve(mapping, lanes.Opener.of(context, worker), self._answer, self.stopping)
         except BaseException:
             self.registry.discard_ticket(request.lane.ticket)  # spent by a failed call too
             raise

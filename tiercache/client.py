@@ -645,14 +645,16 @@ class Client:
     def _lane(self, worker_id: str, alive: Callable[[], bool]) -> Lane | None:
         """A lane of calls for the worker just registered, handed over and opened; None if
         the daemon would not take it (the worker's calls then go on its stream)."""
-        lane = Lane(alive)
+        lane = None
         try:
+            lane = Lane(alive)
             ticket = lane.hand_over(self._handover())
             answered(lambda: self._stub.OpenLane(pb.OpenLaneRequest(
                 worker_id=worker_id, lane=pb.SharedMemoryBuffer(ticket=ticket)),
                 timeout=self.timeout, metadata=self._metadata))
-        except TiercacheError as error:
-            lane.close()
+        except (TiercacheError, OSError) as error:  # OSError: no memfd for it
+            if lane is not None:
+                lane.close()
             log.warning("no lane of calls for worker %s (its calls go on its stream): %s",
                         worker_id, error)
             return None

@@ -71,7 +71,7 @@ class Lane:
         self._closed = False
 
     def hand_over(self, path: str) -> bytes:
-        """Pass the lane to the daemon at `path`; the ticket its registration names it by."""
+        """Pass the lane to the daemon at `path`; the ticket to open it by (OpenLane)."""
         assert self._fd is not None, "handed over already"
         try:
             return shm.hand_over(path, self._fd)
