@@ -18,6 +18,7 @@ import pytest
 import tiercache.lane as lane_module
 from tests.polling import eventually
 from tests.reliability.test_attacks import tenants_file
+from tests.service.test_calls import matches_from_four_threads
 from tests.service.daemon import daemon_in_this_process, metrics_url, running_daemon, scrape
 from tests.service.worker_process import LAYOUT, prompt, rows_of, source_bytes
 from tiercache.client import Client
@@ -129,19 +130,9 @@ def test_whatever_a_worker_writes_into_its_lane_is_answered_and_harms_nothing(wo
         other.close()
 
 
-def test_calls_from_two_threads_at_once_both_answer(world):
-    _, _, worker = world
-    answers: list[int] = []
-
-    def match() -> None:
-        for _ in range(50):
-            answers.append(worker.match(prompt(0)).pages)
-    threads = [threading.Thread(target=match) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert answers == [6] * 200
+def test_calls_from_several_threads_at_once_all_answer(world):
+    # one in the lane at a time, the others on the stream or as calls of their own
+    assert matches_from_four_threads(world[2]) == [6] * 200
 
 
 def test_a_lanes_calls_are_answered_as_the_caller_that_registered(tmp_path):
