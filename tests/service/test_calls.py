@@ -53,17 +53,22 @@ def world(tmp_path_factory):
         worker.close()
 
 
+def loads_what_was_stored(who) -> None:
+    """`who` matches and loads prompt 0, byte for byte what the module's worker stored."""
+    assert who.match(prompt(0)).pages == 6
+    assert who.load(prompt(0), kv_rows=range(10, 16), slot=1).match.pages == 6
+    for name, data in source_bytes(7).items():
+        got, stored = ((rows_of(who, name)[10:16], data[0:6]) if name.startswith("kv")
+                       else (rows_of(who, name)[1], data[0]))
+        assert (got == stored).all(), name
+
+
 def test_streamed_calls_answer_as_calls_of_their_own(world):
     address, process, worker, _ = world
     unary = Client(address, streamed_calls=False, lanes=False).register("test-model", LAYOUT)
     try:
         for who in (worker, unary):
-            assert who.match(prompt(0)).pages == 6
-            assert who.load(prompt(0), kv_rows=range(10, 16), slot=1).match.pages == 6
-            for name, data in source_bytes(7).items():  # byte for byte what was stored
-                got, stored = ((rows_of(who, name)[10:16], data[0:6]) if name.startswith("kv")
-                               else (rows_of(who, name)[1], data[0]))
-                assert (got == stored).all(), name
+            loads_what_was_stored(who)
         stored = worker.store(prompt(1), kv_rows=range(6), checkpoints={96: 0})
         assert stored.stored == 7 and unary.match(prompt(1)).pages == 6
         assert unary._backend._ways == () and worker._backend._ways[0]._replies is not None

@@ -18,7 +18,7 @@ import pytest
 import tiercache.lane as lane_module
 from tests.polling import eventually
 from tests.reliability.test_attacks import tenants_file
-from tests.service.test_calls import matches_from_four_threads
+from tests.service.test_calls import loads_what_was_stored, matches_from_four_threads
 from tests.service.daemon import daemon_in_this_process, metrics_url, running_daemon, scrape
 from tests.service.worker_process import LAYOUT, prompt, rows_of, source_bytes
 from tiercache.client import Client
@@ -68,12 +68,7 @@ def test_calls_in_a_lane_answer_as_on_the_stream(world):
     try:
         before = lane._number
         for who in (worker, streamed):
-            assert who.match(prompt(0)).pages == 6
-            assert who.load(prompt(0), kv_rows=range(10, 16), slot=1).match.pages == 6
-            for name, data in source_bytes(7).items():  # byte for byte what was stored
-                got, stored = ((rows_of(who, name)[10:16], data[0:6]) if name.startswith("kv")
-                               else (rows_of(who, name)[1], data[0]))
-                assert (got == stored).all(), name
+            loads_what_was_stored(who)
         stored = worker.store(prompt(1), kv_rows=range(6), checkpoints={96: 0})
         assert stored.stored == 7 and streamed.match(prompt(1)).pages == 6
         assert lane._number == before + 3  # the worker's three calls went in its lane
