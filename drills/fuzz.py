@@ -67,8 +67,7 @@ from tiercache.shm import SharedBuffers
 from tiercache.tiers.disk import DiskConfig
 from tiercache.tiers.host import HostConfig
 from tiercache.v1 import tiercache_pb2 as pb
-from tiercache.wire import status_of
-from tiercache.wire import layout_to_proto, status_from
+from tiercache.wire import layout_to_proto, status_from, status_of
 
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
@@ -305,8 +304,9 @@ def fuzzed_call(world: World, method: str, request, context: Context,
             request.lane.ticket = b"\x00" * 16
         finally:
             os.close(fd)
-    if method == "Store" and worker is not None:
-        prepare_store(world, worker, request, caller_tenant(context))
+    if method == "Store" and worker is not None:  # a lane's calls are its owner's
+        tenant = world.workers[way[2]].tenant if way and way[0] == "lane" else caller_tenant(context)
+        prepare_store(world, worker, request, tenant)
     before = [t.clone() for t in sum(worker.rows, [])] if worker is not None and method == "Load" else None
     reply = call(world, method, request, context, way)
     wrong = foreign_bytes(world, worker, request, reply, before) if before is not None else []
