@@ -211,10 +211,11 @@ def test_calls_from_two_threads_at_once_both_answer(world):
     assert matches_from_four_threads(world[2]) == [6] * 200
 
 
-def test_a_daemon_stopping_with_streams_open_ends_them_quietly(tmp_path):
+@pytest.mark.parametrize("lanes", [False, True])
+def test_a_daemon_stopping_with_streams_or_lanes_open_ends_them_quietly(tmp_path, lanes):
     with running_daemon(tmp_path) as (address, process):
-        worker = Client(address, lanes=False).register("test-model", LAYOUT)
-        assert worker.match(prompt(0)).pages == 0  # its stream is open now
+        worker = Client(address, lanes=lanes).register("test-model", LAYOUT)
+        assert worker.match(prompt(0)).pages == 0  # its stream (or its lane) is open now
     said = process.stdout.read()
     assert process.returncode == 0, said
     assert "ERROR" not in said and "Traceback" not in said, said
