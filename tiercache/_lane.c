@@ -73,6 +73,10 @@ static PyObject *wait(PyObject *self, PyObject *args) {
         PyBuffer_Release(&buffer);
         return NULL;
     }
+    if (!(timeout > 0))  /* NaN too */
+        timeout = 0;
+    if (timeout > 3600)  /* callers wait in slices: an hour bounds the timespec */
+        timeout = 3600;
     uint32_t seen;
     Py_BEGIN_ALLOW_THREADS
     double start = now(), left;
