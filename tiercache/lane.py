@@ -78,21 +78,18 @@ class Lane:
         finally:
             self._close_fd()
 
-    def send(self, kind: str, request: Any, timeout: float) -> Any | None:
-        """The reply to `request` (CallRequest's field `kind`), waited for at most `timeout`
-        seconds; None when the lane is busy, closed or too small for it."""
-        reply = self.start(kind, request, timeout)
-        return None if reply is None else reply()
-
     def start(self, kind: str, request: Any, timeout: float) -> Callable[[], Any] | None:
-        """`send` in two halves: the request is in the lane when this returns what waits
-        for its reply (call it once, from any thread); None as `send`."""
+        """Put `request` (CallRequest's field `kind`) in the lane; what waits at most
+        `timeout` seconds for its reply (call it once, from any thread), or None when the
+        lane is busy, closed or too small for it."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
+            if self._closed or load(self._mapping, REPLY_NUMBER) != self._number:  # a late reply to come
+                self._lock.release()
+                return None
             data = pb.CallRequest(timeout_seconds=timeout, **{kind: request}).SerializeToString()
-            if (self._closed or len(data) > REQUEST_BYTES
-                    or load(self._mapping, REPLY_NUMBER) != self._number):  # a late reply to come
+            if len(data) > REQUEST_BYTES:
                 self._lock.release()
                 return None
             self._view[HEADER:HEADER + len(data)] = data
