@@ -40,6 +40,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -283,25 +284,28 @@ def caller_tenant(context: Context) -> str | None:
     return found[0] if found else None
 
 
+def fresh_ticket(hand_over: Callable[[], bytes]) -> bytes:
+    """The ticket of a real handover; past the daemon's bound on handovers waiting to be
+    named (refused calls leave theirs to expire), a ticket that is gone."""
+    try:
+        return hand_over()
+    except FailedPrecondition:
+        return b"\x00" * 16
+
+
 def fuzzed_call(world: World, method: str, request, context: Context,
                 way: tuple | None = None) -> tuple[object, list[str]]:
     """The call, with the isolation oracle around it: (reply or code, foreign bytes)."""
     worker = world.owner(getattr(request, "worker_id", ""))
     if method == "Register" and request.buffers and request.buffers[0].shm.ticket == FRESH:
-        try:
-            ticket = SharedBuffers.create(prompts.LAYOUT).hand_over(world.handover.path)
-        except FailedPrecondition:  # the daemon's bound on handovers waiting to be named
-            # (refused calls leave theirs to expire): the call names a ticket that is gone
-            ticket = b"\x00" * 16
+        ticket = fresh_ticket(lambda: SharedBuffers.create(prompts.LAYOUT).hand_over(world.handover.path))
         for location in request.buffers:
             if location.HasField("shm"):
                 location.shm.ticket = ticket
     if method == "OpenLane" and request.lane.ticket == FRESH:  # a real lane, or another memfd
         fd, _ = shm.sealed(lane.LANE_BYTES if request.lane.offset % 2 else 4096, "fuzzed-lane")
         try:
-            request.lane.ticket = shm.hand_over(world.handover.path, fd)
-        except FailedPrecondition:
-            request.lane.ticket = b"\x00" * 16
+            request.lane.ticket = fresh_ticket(lambda: shm.hand_over(world.handover.path, fd))
         finally:
             os.close(fd)
     if method == "Store" and worker is not None:  # a lane's calls are its owner's

@@ -1,12 +1,12 @@
 /* A word of shared memory that one process publishes and another waits on (tiercache/lane.py):
    a release store followed by a futex wake, and a wait that spins a while (yielding its
-   CPU to any thread that wants it), then sleeps in the kernel until the word changes. The futex is not private: the word lies in a memfd
-   both processes map, and the kernel keys such a futex by the file and offset, whatever
-   address each process maps it at. The GIL is released while waiting. */
+   CPU to any thread that wants it), then sleeps in the kernel until the word changes. The
+   futex is not private: the word lies in a memfd both processes map, and the kernel keys
+   such a futex by the file and offset, whatever address each process maps it at. The GIL
+   is released while waiting. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <stdint.h>
