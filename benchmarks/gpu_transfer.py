@@ -527,8 +527,8 @@ def print_copy_alone() -> None:
                   d2h / timed(lambda: copy_rows(table, rows, addresses, True)))
         engines: tuple = ("-", "-")
         if row_bytes >= 65536:
-            engines = (h2d / timed(lambda: copy_engines.copy(worker, slot, sizes, stream.cuda_stream)),
-                       d2h / timed(lambda: copy_engines.copy(slot, worker, sizes, stream.cuda_stream)))
+            engines = (h2d / timed(lambda: copy_engines.copy(worker, slot, sizes, stream)),
+                       d2h / timed(lambda: copy_engines.copy(slot, worker, sizes, stream)))
         part, offsets = SlabPart(slots, np.arange(pages), np.arange(pages)), [b * row_bytes for b in range(BUFFERS)]
 
         def through(direction: str, copy: Callable[[], None]) -> Callable[[], None]:

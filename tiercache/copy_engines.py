@@ -26,6 +26,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from tiercache.streams import bind
+
 MIN_ROW_BYTES = 1 << 20
 MIN_MOVE_BYTES = 256 * 1024
 
@@ -106,10 +108,10 @@ def joined(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray
     return dsts[starts], srcs[starts], np.add.reduceat(sizes, starts)
 
 
-def copy(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-    """Queue sizes[i] bytes from srcs[i] to dsts[i] for every i on the CUDA stream handle
-    `stream` (not the legacy default stream), in its order. The arrays are read during
-    the call; the bytes they point at, when the stream gets there."""
+def copy(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: Any) -> None:
+    """Queue sizes[i] bytes from srcs[i] to dsts[i] for every i on `stream` (a
+    torch.cuda.Stream, not the legacy default stream), in its order, from any thread. The
+    arrays are read during the call; the bytes they point at, when the stream gets there."""
     entry = _entry()
     if entry is None:
         raise RuntimeError("this CUDA driver has no cuMemcpyBatchAsync (CUDA 12.8 or later)")
@@ -117,12 +119,13 @@ def copy(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> 
     count = len(dsts)
     if not count:
         return
+    bind(stream.device_index)  # the stream's context, current on this thread
     arrays = [np.ascontiguousarray(a, np.uint64) for a in (dsts, srcs, sizes)]
     attributes, first = _Attributes(_ACCESS_IN_STREAM_ORDER), (ctypes.c_size_t * 1)(0)
     args: list = [*(ctypes.c_void_p(a.ctypes.data) for a in arrays), ctypes.c_size_t(count),
                   ctypes.byref(attributes), first, ctypes.c_size_t(1)]
     if not current:
         args.append(ctypes.byref(ctypes.c_size_t(0)))  # failIdx
-    status = function(*args, ctypes.c_void_p(stream))
+    status = function(*args, ctypes.c_void_p(stream.cuda_stream))
     if status != 0:
         raise CopyEngineError(f"cuMemcpyBatchAsync of {count} rows failed: CUDA error {status}")

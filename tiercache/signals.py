@@ -32,7 +32,7 @@ import torch
 
 from tiercache import cuda_ipc
 from tiercache.errors import FailedPrecondition, InvalidArgument
-from tiercache.streams import current
+from tiercache.streams import bind, current
 
 SLOTS = 1024  # a worker's calls in flight at once, at most (more wait for a slot)
 MAX_SLOTS = 1 << 16
@@ -51,11 +51,13 @@ def _checked(result: tuple, what: str) -> None:
 
 # The driver's calls act in the calling thread's current context: a stream of another GPU
 # than the current one is refused (CUDA_ERROR_INVALID_VALUE, a worker on a second GPU of
-# its process). So each call makes the stream's GPU current for its length.
+# its process), and so is any on a thread with no context yet. So each call makes the
+# stream's GPU current for its length, and its context current (streams.bind).
 def wait_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
     """Queue on `stream` a wait until the word at `address` reaches `value` (cyclic)."""
     d = _driver()
     with torch.cuda.device(stream.device):
+        bind(stream.device_index)
         _checked(d.cuStreamWaitValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(address),
                                        d.cuuint32_t(value), d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
                  "cuStreamWaitValue32")
@@ -65,6 +67,7 @@ def write_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
     """Queue on `stream` a write of `value` into the word at `address`."""
     d = _driver()
     with torch.cuda.device(stream.device):
+        bind(stream.device_index)
         _checked(d.cuStreamWriteValue32(d.CUstream(stream.cuda_stream), d.CUdeviceptr(address),
                                         d.cuuint32_t(value),
                                         d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),

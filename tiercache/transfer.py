@@ -361,7 +361,7 @@ class CudaTransfer:
                     for stream in (first, then):
                         with trace.gpu(direction, stream):
                             if stream is pcie:
-                                copy_engines.copy(*ends, sizes[pieces], pcie.cuda_stream)
+                                copy_engines.copy(*ends, sizes[pieces], pcie)
                             else:
                                 if on_device is None:  # from pageable memory: 15-25 us of CPU
                                     on_device = torch.from_numpy(rows).to(self.device, non_blocking=True)
@@ -437,9 +437,9 @@ class CudaTransfer:
         nothing queued, if the driver refused them (then the caller's kernel copies them,
         and every copy after them goes by the kernel)."""
         stream = self._streams[direction]
-        try:  # the driver's call acts in the current context: this GPU's (signals.py)
+        try:  # copy_engines.copy makes the GPU's context current for the driver; this, its device
             with torch.cuda.device(self.device), trace.gpu(direction, stream):
-                copy_engines.copy(dsts, srcs, sizes, stream.cuda_stream)
+                copy_engines.copy(dsts, srcs, sizes, stream)
             return True
         except copy_engines.CopyEngineError as error:
             self._engines_refused(error)

@@ -174,3 +174,26 @@ def test_a_batch_the_engines_refuse_is_copied_by_the_kernel_and_the_next_ones_to
     assert "copy engines refused a batch" in caplog.text
     transfer.close()
     memory.release(slab)
+
+
+@gpu
+def test_a_thread_that_never_used_cuda_copies_down_on_the_engines(caplog):
+    # the daemon's background thread: its first CUDA work may be a copy down, which the
+    # driver refused (CUDA error 1) while no context was current on the thread
+    from concurrent.futures import ThreadPoolExecutor
+    from tiercache.transfer import CudaTransfer
+    width = MIN_MOVE_BYTES + 1024
+    device_slab = random_rows(2, width, 8)
+    memory, host = host_slab(2, width)
+    transfer = CudaTransfer.open(torch.device("cuda"))
+    addresses = host.data_ptr() + np.array([1, 0], np.int64) * host.stride(0)
+
+    def down() -> None:
+        transfer.copy_entries([SlabPart(device_slab, np.array([0, 1]), np.arange(2))], addresses)
+        transfer.fence("move").synchronize()
+    with ThreadPoolExecutor(1) as fresh:
+        fresh.submit(down).result()
+    assert torch.equal(host[1].cuda(), device_slab[0]) and torch.equal(host[0].cuda(), device_slab[1])
+    assert "refused" not in caplog.text
+    transfer.close()
+    memory.release(host)

@@ -182,3 +182,22 @@ def test_settling_a_call_that_never_came_writes_its_word_and_refuses_it_later():
     with worker.call() as later:  # later calls of the slot are served as before
         with daemon.call(later.slot, later.value):
             pass
+
+
+def test_a_thread_that_never_used_cuda_writes_and_waits_on_words():
+    # a daemon's lane or background thread may queue a word before any other CUDA work:
+    # the driver refused that while no context was current on the thread
+    from concurrent.futures import ThreadPoolExecutor
+    from tiercache.signals import wait_value, write_value
+    words = torch.zeros(2, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+
+    def queue() -> None:
+        wait_value(stream, words.data_ptr() + 4, 1)
+        write_value(stream, words.data_ptr(), 7)
+    with ThreadPoolExecutor(1) as fresh:
+        fresh.submit(queue).result()
+    with ThreadPoolExecutor(1) as fresh:
+        fresh.submit(write_value, torch.cuda.Stream(), words.data_ptr() + 4, 1).result()
+    stream.synchronize()
+    assert words.tolist() == [7, 1]
