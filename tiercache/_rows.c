@@ -1,6 +1,6 @@
-/* Worker rows: the check of a request's rows (buffers.row_ids), and row copies on the
-   CPU between worker buffers and entry slots (tiercache/transfer.py's CpuTransfer), the
-   CPU's counterpart of the GPU kernel (kernels.py) with the same tables: per buffer its
+/* Worker rows: the check of a request's rows (buffers.row_ids), the pieces of a staged
+   copy (transfer.py), and row copies on the CPU between worker buffers and entry slots
+   (tiercache/transfer.py's CpuTransfer), the CPU's counterpart of the GPU kernel (kernels.py) with the same tables: per buffer its
    base address, row stride, row bytes and offset inside an entry (int64, 4 x buffers);
    per entry a worker row and the address of its slot.
 
@@ -149,10 +149,77 @@ static PyObject *check_rows(PyObject *self, PyObject *args) {
     return result != NULL || PyErr_Occurred() ? result : Py_NewRef(Py_None);
 }
 
+/* The pieces a staged copy moves (transfer.py): `addresses` (int64) of slots `stride`
+   bytes apart, ascending, cut into runs of consecutive slots of one slab (`slabs`, int64
+   per slot, or None for one slab) and wherever a half of the ring (`per_half` slots)
+   ends. Returns (starts, lengths) as bytes of int64 and the number of runs before the
+   cuts, or None if the addresses are not ascending. Two passes over the slots: numpy
+   took 35 us for 170 slots on the 2-core machine, about 90 on an H200 host, in the way
+   of every staged copy's first bytes. */
+static PyObject *pieces(PyObject *self, PyObject *args) {
+    PyObject *addresses_object, *slabs_object;
+    long long stride, per_half;
+    if (!PyArg_ParseTuple(args, "OOLL", &addresses_object, &slabs_object, &stride, &per_half))
+        return NULL;
+    if (per_half < 1)
+        return PyErr_Format(PyExc_ValueError, "a half of the ring holds at least one slot");
+    Py_buffer a_view, s_view;
+    if (int64s(addresses_object, &a_view, -1, "slot addresses") < 0)
+        return NULL;
+    Py_ssize_t n = a_view.len / 8;
+    int slabs = slabs_object != Py_None;
+    if (slabs && int64s(slabs_object, &s_view, n, "slabs") < 0) {
+        PyBuffer_Release(&a_view);
+        return NULL;
+    }
+    const int64_t *a = a_view.buf, *s = slabs ? s_view.buf : NULL;
+#define BREAK(i) (a[i] != a[(i) - 1] + stride || (slabs && s[i] != s[(i) - 1]))
+    Py_ssize_t count = n > 0, runs = n > 0;
+    int ascending = 1;
+    for (Py_ssize_t i = 1; i < n && ascending; i++) {
+        ascending = a[i] > a[i - 1];
+        int cut = BREAK(i);
+        runs += cut;
+        count += cut || i % per_half == 0;
+    }
+    PyObject *result = NULL;
+    if (!ascending) {
+        result = Py_NewRef(Py_None);
+    } else {
+        PyObject *starts = PyBytes_FromStringAndSize(NULL, count * 8);
+        PyObject *lengths = PyBytes_FromStringAndSize(NULL, count * 8);
+        if (starts != NULL && lengths != NULL) {
+            int64_t *at = (int64_t *)PyBytes_AS_STRING(starts), *length = (int64_t *)PyBytes_AS_STRING(lengths);
+            Py_ssize_t k = 0;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                if (i == 0 || BREAK(i) || i % per_half == 0) {
+                    if (k > 0)
+                        length[k - 1] = i - at[k - 1];
+                    at[k++] = i;
+                }
+            }
+            if (k > 0)
+                length[k - 1] = n - at[k - 1];
+            result = Py_BuildValue("(OOn)", starts, lengths, runs);
+        }
+        Py_XDECREF(starts);
+        Py_XDECREF(lengths);
+    }
+#undef BREAK
+    PyBuffer_Release(&a_view);
+    if (slabs)
+        PyBuffer_Release(&s_view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"check_rows", check_rows, METH_VARARGS,
      "check_rows(ids, limit, unique) -> (position, why) or None: the first of the int64 "
      "ids outside [0, limit) (why 0) or, if unique, repeating an earlier one (why 1)."},
+    {"pieces", pieces, METH_VARARGS,
+     "pieces(addresses, slabs, stride, per_half) -> (starts, lengths, runs) or None: the runs "
+     "of ascending int64 slot addresses `stride` apart, of one slab each, cut every "
+     "per_half slots (starts and lengths as bytes of int64); None if not ascending."},
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(table, rows, slots, to_slots): row rows[i] of every buffer of `table` "
      "(int64 4 x buffers: base, stride, width, offset) to (or from) the slot at address "

@@ -181,19 +181,20 @@ MIN_RUN_BYTES = 1 << 20  # staged only where the slots' runs are this long on av
 MAX_STAGED_ENTRY = STAGE_BYTES // 4  # longer entries keep their rows' own path
 
 
-def _pieces(addresses: np.ndarray, stride: int, slabs: np.ndarray, per_half: int
-            ) -> tuple[np.ndarray, np.ndarray, int]:
-    """What the copy engines move for a staged copy of the slots at sorted `addresses`,
-    `stride` bytes apart: runs of consecutive slots of one slab (`slabs` numbers them: a
-    run never spans two allocations, even where one ends right where the next begins),
-    cut where a half of the ring (`per_half` slots) ends. Returns where each piece
-    starts, how many slots it holds, and how many runs there are before the cuts."""
-    step = np.diff(addresses) != stride
-    step |= np.diff(slabs) != 0
-    runs = 1 + int(np.count_nonzero(step))
-    step[per_half - 1::per_half] = True
-    starts = np.concatenate([[0], np.flatnonzero(step) + 1])
-    return starts, np.diff(np.append(starts, len(addresses))), runs
+def _pieces(addresses: np.ndarray, stride: int, slabs: np.ndarray | None, per_half: int
+            ) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """What the copy engines move for a staged copy of the slots at `addresses`, `stride`
+    bytes apart: runs of consecutive slots of one slab (`slabs` numbers them, None for
+    one: a run never spans two allocations, even where one ends right where the next
+    begins), cut where a half of the ring (`per_half` slots) ends. Returns where each
+    piece starts, how many slots it holds, and how many runs there are before the cuts;
+    None if the addresses are not ascending (tiercache/_rows.c)."""
+    found = _rows.pieces(addresses, None if slabs is None else np.ascontiguousarray(slabs, np.int64),
+                         stride, per_half)
+    if found is None:
+        return None
+    starts, lengths, runs = found
+    return np.frombuffer(starts, np.int64), np.frombuffer(lengths, np.int64), runs
 
 
 class _Ring:
@@ -323,12 +324,14 @@ class CudaTransfer:
         stride = strides.pop() if len(strides) == 1 else 0
         if not self._engines or not 0 < stride <= MAX_STAGED_ENTRY:
             return False
-        slabs = np.repeat(np.arange(len(parts)), [len(p.local) for p in parts])
-        if np.any(np.diff(addresses) < 0):  # usually in order already
-            order = np.argsort(addresses, kind="stable")
-            addresses, rows, slabs = addresses[order], rows[order], slabs[order]
+        slabs = np.repeat(np.arange(len(parts)), [len(p.local) for p in parts]) if len(parts) > 1 else None
         per_half = STAGE_BYTES // stride
-        starts, lengths, runs = _pieces(addresses, stride, slabs, per_half)
+        found = _pieces(addresses, stride, slabs, per_half)
+        if found is None:  # usually in order already
+            order = np.argsort(addresses, kind="stable")
+            addresses, rows = addresses[order], rows[order]
+            found = _pieces(addresses, stride, None if slabs is None else slabs[order], per_half)
+        starts, lengths, runs = found
         if len(addresses) * stride < MIN_RUN_BYTES * runs:
             return False
         # each piece's source, place in its half of the ring, and size; the pieces of each

@@ -28,6 +28,9 @@ def test_pieces_are_runs_of_one_slab_cut_where_a_half_of_the_ring_ends():
     assert starts.tolist() == [0, 3, 4, 5, 6, 8] and lengths.tolist() == [3, 1, 1, 1, 2, 2] and runs == 5
     starts, lengths, runs = _pieces(np.array([4096], np.int64), stride, np.zeros(1), per_half=4)
     assert starts.tolist() == [0] and lengths.tolist() == [1] and runs == 1
+    starts, lengths, runs = _pieces(addresses[:3], stride, None, per_half=2)  # one slab
+    assert starts.tolist() == [0, 2] and lengths.tolist() == [2, 1] and runs == 1
+    assert _pieces(addresses[::-1].copy(), stride, None, per_half=4) is None  # to be sorted first
 
 
 @pytest.fixture
