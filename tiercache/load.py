@@ -37,7 +37,10 @@ _ATTEMPTS = 4  # a damaged entry found during a load drops it and retries the lo
 # grow (growing_parts): the first small, so that the GPU copies it while the daemon still
 # plans the rest (most of a large call's CPU comes before its first copy).
 SPLIT_BYTES = 128 << 20
-_FIRST_LOAD_PART = 16  # a large load's first part: a sixteenth of its pages
+# A large load's first part: an eighth of its pages. With a sixteenth, the link idled
+# 0.1-0.4 ms between the first part's copy and the second's, which the daemon was still
+# queuing (512 MiB in 16 KiB rows, H200, RESULTS.md, the thirtieth round of issue 15).
+_FIRST_LOAD_PART = 8
 
 
 @dataclass(frozen=True)
