@@ -217,6 +217,11 @@ class Books:
             missing = np.flatnonzero((rows < 0) | (self.index.column("tiers", np.maximum(rows, 0)) == 0))
             return int(missing[0]) if len(missing) else len(chain)
 
+    def holds_any(self, kind: Kind, keys: np.ndarray) -> bool:
+        """Whether any of `keys` has an index row: cached, or claimed by a store."""
+        with self.lock:
+            return bool((self.index.rows_of(kind, keys) >= 0).any())
+
     def stamp(self, chain: np.ndarray, checkpoints: bool) -> tuple[int, np.ndarray]:
         """A stamp for a store and the checkpoint rows of its chain (-1 where none)."""
         with self.lock:

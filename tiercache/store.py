@@ -3,7 +3,9 @@ the worker's rows into the first tier.
 
 A store claims the keys nobody holds or writes (the books), reserves slots (settling
 what an eviction displaced, outside the lock), copies the rows in batches and publishes
-each batch once its bytes are all there (invariant 1). Device-tier workers store device
+each batch once its bytes are all there (invariant 1). The first part of its pages into
+host memory is copied before its claim, where nobody seems to hold them: a copy the claim
+finds was not needed only frees its slots once done. Device-tier workers store device
 to device and the background copies the entries down to the host; a durable store then
 waits until every entry is committed to disk.
 
@@ -22,7 +24,7 @@ import logging
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -117,9 +119,11 @@ class Stores:
         if src is None and len(rows):
             raise InvalidArgument("this layout has no paged buffers: give no kv rows")
         # how much is cached weighs on which checkpoints to keep: without offers, no lookup
-        cached = first + self.books.cached_pages(chain) if layout.needs_pages and offered else 0
-        kept = admit(self.admission, offered, first + len(chain), cached)
-        self.books.count("declined_checkpoints", len(offered) - len(kept))
+        kept = np.empty(0, np.int64)
+        if offered:
+            cached = first + self.books.cached_pages(chain) if layout.needs_pages else 0
+            kept = admit(self.admission, offered, first + len(chain), cached)
+            self.books.count("declined_checkpoints", len(offered) - len(kept))
         if durable and self.books.disk is None:  # before any copying
             raise FailedPrecondition("durable stores need a disk tier: start the daemon with one")
         return StoreJob(buffers, chain, src, {n: slots[n] for n in kept.tolist()}, transfer, ready,
@@ -140,36 +144,39 @@ class Stores:
         """Store the pages of a chain (if any) and its kept checkpoints, all under one
         stamp, each entry rated by what it saves (admission.entry_values). The
         checkpoint's copy is launched before the pages' copies are waited for: on the
-        device tier both copies take less time than claiming either."""
+        device tier both copies take less time than claiming either. The first part of a
+        GPU worker's pages into host memory is copying before the stamp, the values and
+        its claim (`_Flight.ahead`)."""
         layout, depths = job.buffers.layout, np.array(sorted(job.slots), np.int64)
         first, local = job.first, np.array(sorted(job.slots), np.int64) - job.first - 1
-        stamp, found = self.books.stamp(job.chain, layout.needs_checkpoint)
-        # worth counts from the checkpoints on the chain sent: a store that adds to a hit
-        # starts at the hit's last page (Worker.store), whose checkpoint is found here
-        ends = np.union1d(np.flatnonzero(found >= 0) + 1 + first, depths)
-        page_values, end_values = entry_values(layout, first + len(job.chain), ends)
-        page_values = page_values[first:]
         published: dict[Tier, list[np.ndarray]] = {}
         flights: list[_Flight] = []
         pages = checkpoints = None
         try:
             if job.src is not None:
-                pages = self._launch(job, Group.pages(job.buffers, job.transfer), job.chain,
-                                     np.arange(first + 1, first + len(job.chain) + 1), job.src,
-                                     page_values, stamp, job.checks, published)
+                pages = self._flight(job, Group.pages(job.buffers, job.transfer), published)
                 flights.append(pages)
+                pages.ahead(job.chain, job.src)
+            stamp, found = self.books.stamp(job.chain, layout.needs_checkpoint)
+            # worth counts from the checkpoints on the chain sent: a store that adds to a hit
+            # starts at the hit's last page (Worker.store), whose checkpoint is found here
+            ends = np.union1d(np.flatnonzero(found >= 0) + 1 + first, depths)
+            page_values, end_values = entry_values(layout, first + len(job.chain), ends)
+            page_values = page_values[first:]
+            if pages is not None:
+                self._claim(pages, job.chain, np.arange(first + 1, first + len(job.chain) + 1),
+                            job.src, page_values, stamp, job.checks)
                 if pages.found_no_room():  # the checkpoint would stand on no pages
                     pages.result(len(job.chain))  # raises
             elif layout.needs_pages and len(depths):  # the pages under a new checkpoint are worth more
                 self.books.raise_values(Kind.PAGE, job.chain, page_values)
             if len(depths):
-                checkpoints = self._launch(job, Group.checkpoints(job.buffers, job.transfer),
-                                           job.chain[local], depths,
-                                           np.array([job.slots[d] for d in depths.tolist()], np.int64),
-                                           end_values[np.searchsorted(ends, depths)], stamp,
-                                           None if job.checks is None else job.checks[local],
-                                           published)
+                checkpoints = self._flight(job, Group.checkpoints(job.buffers, job.transfer), published)
                 flights.append(checkpoints)
+                self._claim(checkpoints, job.chain[local], depths,
+                            np.array([job.slots[d] for d in depths.tolist()], np.int64),
+                            end_values[np.searchsorted(ends, depths)], stamp,
+                            None if job.checks is None else job.checks[local])
         except BaseException:
             self._complete(flights, published, finish=False)
             raise
@@ -204,12 +211,19 @@ class Stores:
                 (self.background.stored_on_device if tier == Tier.DEVICE else self.background.stored)(
                     np.concatenate(rows))
 
-    def _launch(self, job: StoreJob, group: Group, keys: np.ndarray, depths: np.ndarray,
-                src: np.ndarray, values: np.ndarray, stamp: int, checks: np.ndarray | None,
-                published: dict[Tier, list[np.ndarray]]) -> "_Flight":
-        """Claim entries and launch their copies into the first tier: the device tier for
-        workers on its GPU, else the host. The caller finishes the flight (publishes what
-        is still copying) and closes it.
+    def _flight(self, job: StoreJob, group: Group, published: dict[Tier, list[np.ndarray]]
+                ) -> "_Flight":
+        """A flight of `group`'s copies into the first tier: the device tier for workers on
+        its GPU, else the host; its copies wait for the worker's ready mark. The caller
+        claims its entries (`_claim`), finishes it (publishes what is still copying) and
+        closes it."""
+        group.transfer.wait_for(job.ready, "store")
+        device = group.transfer is self.mover.device_transfer
+        return _Flight(self, job, group, Tier.DEVICE if device else Tier.HOST, published)
+
+    def _claim(self, flight: "_Flight", keys: np.ndarray, depths: np.ndarray, src: np.ndarray,
+               values: np.ndarray, stamp: int, checks: np.ndarray | None) -> None:
+        """Claim a flight's entries and launch their copies.
 
         On the host tier, a pipeline: the keys are claimed in parts (the first small, so
         the first copy starts early), each part's batches are launched as soon as their
@@ -217,21 +231,16 @@ class Stores:
         next one runs: the bookkeeping of one part overlaps the copy of the one before.
         The device tier takes all keys as one part: its copy device to device is shorter
         than claiming, so more parts would only add claims, launches and publishes."""
-        group.transfer.wait_for(job.ready, "store")
-        device = group.transfer is self.mover.device_transfer
-        flight = _Flight(self, job, group, stamp, Tier.DEVICE if device else Tier.HOST, published)
-        try:
-            for part in [slice(0, len(keys))] if device else _parts(len(keys), group.nbytes):
-                with trace.span("claim"):
-                    claim = self.books.claim(group.kind, keys[part], depths[part], group.nbytes,
-                                             values[part], stamp,
-                                             None if checks is None else checks[part], job.shared,
-                                             job.pins)
-                flight.copy(part, claim, src[part])
-        except BaseException:
-            flight.close()
-            raise
-        return flight
+        job, group = flight.job, flight.group
+        flight.stamp = stamp
+        parts = _parts(len(keys), group.nbytes, ahead=flight.early is not None)
+        for part in [slice(0, len(keys))] if flight.tier == Tier.DEVICE else parts:
+            with trace.span("claim"):
+                claim = self.books.claim(group.kind, keys[part], depths[part], group.nbytes,
+                                         values[part], stamp,
+                                         None if checks is None else checks[part], job.shared,
+                                         job.pins)
+            flight.copy(part, claim, src[part])
 
     def persist(self, job: StoreJob, stored: StoreResult, timeout: float | None) -> None:
         """Commit the entries of a store to disk before it is acknowledged as durable. The
@@ -275,13 +284,17 @@ class Stores:
 _FIRST_PART = 512  # keys claimed before the first copy starts; each part after is 2x larger
 
 
-def _parts(count: int, entry_bytes: int) -> list[slice]:
+def _parts(count: int, entry_bytes: int, ahead: bool = False) -> list[slice]:
     """The parts a store's keys are claimed in: 512, 1,024, 2,048, ... keys (claiming
     twice the keys takes the CPU less time than the GPU takes to copy a part's rows
     into host memory, so the copies follow one another); a store of SPLIT_BYTES or more
-    starts with an eighth of its keys, if fewer (pages of 1 MiB rows are many MiB each)."""
+    starts with an eighth of its keys, if fewer (pages of 1 MiB rows are many MiB each).
+    A first part copied `ahead` of its claim takes the first two: its claim, the stamp
+    and the values come while it copies (with the first alone, the second part's copy
+    came too late for them: 4 KiB rows, H200, RESULTS.md, the thirtieth round)."""
     large = count * entry_bytes >= SPLIT_BYTES
-    return growing_parts(count, min(_FIRST_PART, count // 8) if large else _FIRST_PART)
+    parts = growing_parts(count, min(_FIRST_PART, count // 8) if large else _FIRST_PART)
+    return [slice(0, parts[1].stop), *parts[2:]] if ahead and len(parts) > 1 else parts
 
 
 @dataclass
@@ -297,11 +310,12 @@ class _Part:
 
 @dataclass
 class _Batch:
-    part: _Part
-    slots: list[int]
+    part: _Part | None  # None while copied ahead of its part's claim
+    slots: list[int]  # of the part's entries, in claim.todo's order
     tier: Tier
     done: Any  # the event that marks its copy done
     started: float
+    spare: list[int] = field(default_factory=list)  # copied ahead for no entry: freed once done
 
 
 class _Flight:
@@ -310,22 +324,56 @@ class _Flight:
     the store replied with its copies queued (`replied`: the worker's stream waits for
     them before it writes the rows again)."""
 
-    def __init__(self, stores: Stores, job: StoreJob, group: Group, stamp: int, tier: Tier,
+    def __init__(self, stores: Stores, job: StoreJob, group: Group, tier: Tier,
                  published: dict[Tier, list[np.ndarray]]) -> None:
         self.stores, self.books, self.job, self.group = stores, stores.books, job, group
-        self.stamp, self.tier = stamp, tier
+        self.stamp, self.tier = 0, tier  # the stamp: the store's, set before its claims
         self.parts: list[_Part] = []
         self.flying: list[_Batch] = []
+        self.early: _Batch | None = None  # the first part's copy, launched ahead of its claim
         self.full = False  # no room was found: the parts after are claimed and let go
         self.published = published  # rows by tier, for the background once the store is done
         self.last_done = 0.0
         self.replied = False
+
+    def ahead(self, keys: np.ndarray, src: np.ndarray) -> None:
+        """Launch the copy of the first part's entries (of `keys`, from rows `src`; the
+        first two parts of `_parts`) before they are claimed, where that most likely
+        costs no work: into host memory, if nobody holds the part's first and last keys.
+        A GPU's copy then runs while the stamp, the values and the claim are done
+        (without it, the GPU waited 0.3-0.4 ms for them on an H200 host: RESULTS.md, the
+        thirtieth round of issue 15). Entries the claim finds cached, or another
+        store's, were copied for nothing: their slots are freed once the copy is done
+        (`finish`). Without room for the whole part at once, nothing goes ahead."""
+        group = self.group
+        if self.tier != Tier.HOST or not len(keys):
+            return
+        where = _parts(len(keys), group.nbytes, ahead=True)[0]
+        if self.books.holds_any(group.kind, keys[[where.start, where.stop - 1]]):
+            return
+        count = where.stop - where.start
+        slots, displaced = self.books.reserve(group.nbytes, count, self.tier)
+        if displaced:
+            self._settle(displaced, slots)
+        if len(slots) < count:
+            self.books.free(group.nbytes, slots, self.tier)
+            return
+        self._launch(None, src[where], slots)
+        self.early = self.flying[-1]
 
     def copy(self, where: slice, claim: Claim, src: np.ndarray) -> None:
         """Launch the copies of a part's claimed entries, as far as room is found;
         publish the batches launched before, which the GPU has done by then, mostly."""
         part = _Part(where, claim)
         self.parts.append(part)
+        early, self.early = self.early, None
+        if early is not None:  # the part's entries, all copying since before the claim
+            assert len(early.slots) == where.stop - where.start, "the part copied ahead is the first"
+            kept = np.zeros(len(early.slots), bool)
+            kept[claim.todo] = True
+            slots = np.asarray(early.slots, np.int64)
+            early.part, early.slots, early.spare = part, slots[kept].tolist(), slots[~kept].tolist()
+            part.launched = len(claim.todo)
         todo, group = claim.todo, self.group
         while not self.full and part.launched < len(todo):
             with trace.span("reserve"):
@@ -355,7 +403,7 @@ class _Flight:
             self.books.free(self.group.nbytes, slots, self.tier)
             raise
 
-    def _launch(self, part: _Part, src: np.ndarray, slots: list[int]) -> None:
+    def _launch(self, part: _Part | None, src: np.ndarray, slots: list[int]) -> None:
         group, arena = self.group, self.books.arena(self.tier)
         started = time.perf_counter()
         try:
@@ -369,7 +417,8 @@ class _Flight:
             self.books.free(group.nbytes, slots, self.tier)
             raise
         self.flying.append(_Batch(part, slots, self.tier, done, started))
-        part.launched += len(slots)
+        if part is not None:
+            part.launched += len(slots)
 
     def finish(self, keep: int = 0) -> None:
         """Publish the batches launched first, all but the last `keep`, as their copies
@@ -378,12 +427,17 @@ class _Flight:
         job, group = self.job, self.group
         while len(self.flying) > keep:
             batch, part = self.flying[0], self.flying[0].part
+            assert part is not None, "a batch copied ahead is finished after its part's claim"
             with trace.span("fence"):
                 batch.done.synchronize()
             now = time.perf_counter()
-            self.stores.traffic.record("worker", batch.tier.name.lower(), len(batch.slots) * group.nbytes,
+            self.stores.traffic.record("worker", batch.tier.name.lower(),
+                                       (len(batch.slots) + len(batch.spare)) * group.nbytes,
                                        now - max(batch.started, self.last_done))
             self.last_done = now
+            if batch.spare:  # copied, and nobody's: the slots are free again
+                self.books.free(group.nbytes, batch.spare, batch.tier)
+                batch.spare = []
             failpoints.hit("store.before_publish")
             if job.alive is not None and not self.replied and not job.alive():
                 raise DeadlineExceeded("the call ended while its rows were being copied: "
@@ -393,11 +447,12 @@ class _Flight:
                                   "the daemon's copies were released, and the store dropped")
             with trace.span("publish"):
                 rows = part.claim.rows[part.published:part.published + len(batch.slots)]
-                self.books.publish_claimed(rows, batch.tier, batch.slots, self.stamp,
-                                           pin=job.pins is not None)
-                if job.pins is not None:
-                    job.pins.append(rows)
-                self.published.setdefault(batch.tier, []).append(rows)
+                if len(rows):
+                    self.books.publish_claimed(rows, batch.tier, batch.slots, self.stamp,
+                                               pin=job.pins is not None)
+                    if job.pins is not None:
+                        job.pins.append(rows)
+                    self.published.setdefault(batch.tier, []).append(rows)
             part.published += len(batch.slots)
             self.flying.pop(0)
 
@@ -412,8 +467,8 @@ class _Flight:
             if self.flying:
                 self.group.transfer.synchronize()
             for batch in self.flying:
-                self.books.free(self.group.nbytes, batch.slots, batch.tier)
-            self.flying = []
+                self.books.free(self.group.nbytes, batch.slots + batch.spare, batch.tier)
+            self.flying, self.early = [], None
         finally:
             for part in self.parts:
                 todo = len(part.claim.todo)

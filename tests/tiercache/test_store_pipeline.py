@@ -1,5 +1,6 @@
 """A store longer than one part (store.py's pipeline: keys claimed in parts of 512, 1,024,
-..., each batch published after its copy while the next part is claimed): the same result
+..., each batch published after its copy while the next part is claimed; the first two
+parts copied as one ahead of their claim where nobody holds their ends): the same result
 and the same bytes as a store taken whole, and nothing left half-done when it stops part
 way (no room, a failure, a caller that stopped waiting). The device tier takes a store as
 one part, and a store's checkpoint is launched before its pages are waited for."""
@@ -26,6 +27,7 @@ from tiercache.store import _parts
 from tiercache.tiers.host import HostConfig
 
 PAGES = 3000  # parts of 512, 1,024 and 1,464 keys
+FIRST = 1536  # the first part, copied ahead of its claim (store._Flight.ahead): two parts
 LAYOUT = Layout(16, paged=tuple(BufferSpec(f"kv{i}", 2 * PAGES, (16, 2, 8), "bfloat16")
                                 for i in range(2)))  # pages only: a match needs no checkpoint
 
@@ -53,6 +55,9 @@ def test_parts_cover_the_keys_once_in_order():
     # a store of SPLIT_BYTES or more starts with an eighth of its keys, if under 512
     assert [p.stop - p.start for p in _parts(21, 24 << 20)] == [2, 4, 15]
     assert [p.stop - p.start for p in _parts(5461, 96 << 10)] == [512, 1024, 3925]
+    # copied ahead of its claim, the first part takes the first two
+    assert [p.stop - p.start for p in _parts(5461, 96 << 10, ahead=True)] == [1536, 3925]
+    assert [p.stop - p.start for p in _parts(100, 4096, ahead=True)] == [100]
 
 
 def test_a_store_of_several_parts_counts_and_keeps_every_entry():
@@ -125,14 +130,14 @@ def test_a_failure_after_the_first_batch_publishes_what_was_whole_and_frees_the_
             raise InjectedFault("the second batch's publish")
     with failpoints.armed("store.before_publish", second_fails), pytest.raises(InjectedFault):
         engine.store(source, keys, rows)
-    # the first part (512 keys, one batch) was published; nothing after it is visible,
-    # no claim is left, and the slots of the batches launched after it are free again
-    assert engine.match(LAYOUT, keys).pages == 512
-    assert loaded(engine, keys, source, rows) == 512
-    assert engine.host.used_bytes == 512 * LAYOUT.page_bytes
-    assert len(engine.index) == 512 and violations(engine) == []
+    # the first part (copied ahead: 1,536 keys, one batch) was published; nothing after
+    # it is visible, no claim is left, and the slots of the batches after it are free again
+    assert engine.match(LAYOUT, keys).pages == FIRST
+    assert loaded(engine, keys, source, rows) == FIRST
+    assert engine.host.used_bytes == FIRST * LAYOUT.page_bytes
+    assert len(engine.index) == FIRST and violations(engine) == []
     # the same store again completes it
-    assert engine.store(source, keys, rows).stored == PAGES - 512
+    assert engine.store(source, keys, rows).stored == PAGES - FIRST
     assert loaded(engine, keys, source, rows) == PAGES
     engine.close()
 
@@ -143,8 +148,8 @@ def test_a_caller_that_stops_waiting_gets_no_batch_published_after_that():
     answers = iter([True, False])
     with pytest.raises(DeadlineExceeded):
         engine.store(source, keys, np.arange(PAGES), alive=lambda: next(answers, False))
-    assert engine.match(LAYOUT, keys).pages == 512
-    assert engine.host.used_bytes == 512 * LAYOUT.page_bytes and violations(engine) == []
+    assert engine.match(LAYOUT, keys).pages == FIRST
+    assert engine.host.used_bytes == FIRST * LAYOUT.page_bytes and violations(engine) == []
     engine.close()
 
 
@@ -246,4 +251,50 @@ def test_pages_that_find_no_room_take_their_checkpoint_with_them():
     engine.books.unpin(held)
     # neither the pages nor the checkpoint: a checkpoint needs its pages to be worth anything
     assert len(engine.index) == 8 and violations(engine) == []
+    engine.close()
+
+
+def spy(monkeypatch, owner, name: str, calls: list) -> None:
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args, **kwargs: (calls.append(name), real(*args, **kwargs))[1])
+
+
+def test_the_first_part_is_copied_ahead_of_its_claim_where_nobody_holds_its_ends(monkeypatch):
+    engine, source = open_engine(), random_buffers(LAYOUT, seed=5)
+    keys = prompt_keys(LAYOUT, seed=5, pages=PAGES)
+    rows = np.random.default_rng(5).permutation(PAGES)
+    engine.store(source, keys[10:11], [int(rows[10])])  # page 11, inside the first part
+    calls: list[str] = []
+    spy(monkeypatch, engine.transfer, "gather", calls)
+    spy(monkeypatch, engine.books, "claim", calls)
+    result = engine.store(source, keys, rows)
+    assert calls[:3] == ["gather", "claim", "claim"]  # the first part went ahead
+    assert (result.stored, result.present, result.skipped) == (PAGES - 1, 1, 0)
+    assert loaded(engine, keys, source, rows) == PAGES
+    assert violations(engine) == []  # the slot page 11 was copied into is free again
+    # a part whose first key is held is claimed first, and copied after
+    calls.clear()
+    engine.evict(keys[1:])
+    assert engine.store(source, keys, rows).stored == PAGES - 1
+    assert calls[:2] == ["claim", "gather"] and violations(engine) == []
+    engine.close()
+
+
+def test_a_store_that_fails_once_its_first_part_went_ahead_leaves_nothing(monkeypatch):
+    engine, source = open_engine(), random_buffers(LAYOUT, seed=6)
+    keys = prompt_keys(LAYOUT, seed=6, pages=PAGES)
+    rows = np.random.default_rng(6).permutation(PAGES)
+    calls: list[str] = []
+    spy(monkeypatch, engine.transfer, "gather", calls)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the books failed")
+    monkeypatch.setattr(engine.books, "stamp", broken)
+    with pytest.raises(RuntimeError, match="books failed"):
+        engine.store(source, keys, rows)
+    assert calls == ["gather"]  # it had copied its first part
+    monkeypatch.undo()
+    assert engine.books.host.used_bytes == 0 and violations(engine) == []
+    assert engine.store(source, keys, rows).stored == PAGES
+    assert loaded(engine, keys, source, rows) == PAGES
     engine.close()
