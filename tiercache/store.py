@@ -3,9 +3,9 @@ the worker's rows into the first tier.
 
 A store claims the keys nobody holds or writes (the books), reserves slots (settling
 what an eviction displaced, outside the lock), copies the rows in batches and publishes
-each batch once its bytes are all there (invariant 1). The first part of its pages into
-host memory is copied before its claim, where nobody seems to hold them: a copy the claim
-finds was not needed only frees its slots once done. Device-tier workers store device
+each batch once its bytes are all there (invariant 1). The first parts of its pages into
+host memory are copied before their claim, where nobody seems to hold them: a copy the
+claim finds was not needed only frees its slot once done. Device-tier workers store device
 to device and the background copies the entries down to the host; a durable store then
 waits until every entry is committed to disk.
 
@@ -144,9 +144,9 @@ class Stores:
         """Store the pages of a chain (if any) and its kept checkpoints, all under one
         stamp, each entry rated by what it saves (admission.entry_values). The
         checkpoint's copy is launched before the pages' copies are waited for: on the
-        device tier both copies take less time than claiming either. The first part of a
-        GPU worker's pages into host memory is copying before the stamp, the values and
-        its claim (`_Flight.ahead`)."""
+        device tier both copies take less time than claiming either. The first parts of
+        the pages into host memory are copying before the stamp, the values and their
+        claim (`_Flight.ahead`)."""
         layout, depths = job.buffers.layout, np.array(sorted(job.slots), np.int64)
         first, local = job.first, np.array(sorted(job.slots), np.int64) - job.first - 1
         published: dict[Tier, list[np.ndarray]] = {}
@@ -226,9 +226,10 @@ class Stores:
         """Claim a flight's entries and launch their copies.
 
         On the host tier, a pipeline: the keys are claimed in parts (the first small, so
-        the first copy starts early), each part's batches are launched as soon as their
-        slots are reserved, and a batch is published once its copy is done, while the
-        next one runs: the bookkeeping of one part overlaps the copy of the one before.
+        the first copy starts early, or copied before it is claimed: `_Flight.ahead`),
+        each part's batches are launched as soon as their slots are reserved, and a batch
+        is published once its copy is done, while the next one runs: the bookkeeping of
+        one part overlaps the copy of the one before.
         The device tier takes all keys as one part: its copy device to device is shorter
         than claiming, so more parts would only add claims, launches and publishes."""
         job, group = flight.job, flight.group

@@ -34,10 +34,19 @@ _writer: threading.Thread | None = None
 _start_writer = threading.Lock()
 
 
+_in_use: Any = None  # torch, once the GPU is in use in this process
+
+
 def _cuda() -> Any:
-    """torch, where the GPU is in use in this process; else None."""
-    import torch
-    return torch if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    """torch, where the GPU is in use in this process; else None. Asked of torch until it
+    is, then kept: `torch.cuda.is_available()` reads an environment variable each time,
+    tens of microseconds a step of a traced call (tiercache/streams.py)."""
+    global _in_use
+    if _in_use is None:
+        import torch
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            _in_use = torch
+    return _in_use
 
 
 def _sync() -> None:
