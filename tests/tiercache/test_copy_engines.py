@@ -117,14 +117,22 @@ def test_slots_in_device_memory_stay_with_the_kernel(engine_calls):
     assert engine_calls == []
 
 
+def going_down(device_entries: int, host_slots: int, targets: list[int], seed: int):
+    """For a copy down of entries long enough for the engines: a device slab of random
+    entries, a page-locked host slab, a CudaTransfer, and the addresses of host slots
+    `targets`."""
+    from tiercache.transfer import CudaTransfer
+    width = MIN_MOVE_BYTES + 1024
+    device_slab = random_rows(device_entries, width, seed)
+    memory, host = host_slab(host_slots, width)
+    addresses = host.data_ptr() + np.array(targets, np.int64) * host.stride(0)
+    return device_slab, memory, host, CudaTransfer.open(torch.device("cuda")), addresses
+
+
 @gpu
 def test_long_entries_go_down_from_device_slots_to_host_slots_on_the_engines(engine_calls):
     # entries shorter than a worker's copies need: moves leave the SMs to the worker
-    from tiercache.transfer import CudaTransfer
-    device_slab = random_rows(3, MIN_MOVE_BYTES + 1024, 5)
-    memory, host = host_slab(4, MIN_MOVE_BYTES + 1024)
-    transfer = CudaTransfer.open(torch.device("cuda"))
-    addresses = host.data_ptr() + np.array([2, 0, 3], np.int64) * host.stride(0)
+    device_slab, memory, host, transfer, addresses = going_down(3, 4, [2, 0, 3], seed=5)
     transfer.copy_entries([SlabPart(device_slab, np.array([0, 2]), np.array([0, 2]))], addresses)
     transfer.fence("move").synchronize()
     assert torch.equal(host[2].cuda(), device_slab[0]) and torch.equal(host[3].cuda(), device_slab[2])
@@ -136,16 +144,11 @@ def test_long_entries_go_down_from_device_slots_to_host_slots_on_the_engines(eng
 
 @gpu
 def test_a_copy_down_of_slots_in_order_is_a_copy_per_run(engine_calls):
-    from tiercache.transfer import CudaTransfer
-    width = MIN_MOVE_BYTES + 1024
-    device_slab = random_rows(6, width, 6)
-    memory, host = host_slab(8, width)
-    transfer = CudaTransfer.open(torch.device("cuda"))
-    targets = np.array([3, 4, 5, 7])  # device slots 0-2 to host slots 3-5: one run; 4 to 7
-    addresses = host.data_ptr() + targets.astype(np.int64) * host.stride(0)
+    targets = [3, 4, 5, 7]  # device slots 0-2 to host slots 3-5: one run; 4 to 7
+    device_slab, memory, host, transfer, addresses = going_down(6, 8, targets, seed=6)
     transfer.copy_entries([SlabPart(device_slab, np.array([0, 1, 2, 4]), np.arange(4))], addresses)
     transfer.fence("move").synchronize()
-    for source, target in zip((0, 1, 2, 4), targets.tolist()):
+    for source, target in zip((0, 1, 2, 4), targets):
         assert torch.equal(host[target].cuda(), device_slab[source])
     assert torch.all(host[[0, 1, 2, 6]] == 0xA5)
     assert engine_calls == [2]
@@ -181,12 +184,7 @@ def test_a_thread_that_never_used_cuda_copies_down_on_the_engines(caplog):
     # the daemon's background thread: its first CUDA work may be a copy down, which the
     # driver refused (CUDA error 1) while no context was current on the thread
     from concurrent.futures import ThreadPoolExecutor
-    from tiercache.transfer import CudaTransfer
-    width = MIN_MOVE_BYTES + 1024
-    device_slab = random_rows(2, width, 8)
-    memory, host = host_slab(2, width)
-    transfer = CudaTransfer.open(torch.device("cuda"))
-    addresses = host.data_ptr() + np.array([1, 0], np.int64) * host.stride(0)
+    device_slab, memory, host, transfer, addresses = going_down(2, 2, [1, 0], seed=8)
 
     def down() -> None:
         transfer.copy_entries([SlabPart(device_slab, np.array([0, 1]), np.arange(2))], addresses)
