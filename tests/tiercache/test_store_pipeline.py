@@ -7,6 +7,8 @@ one part, and a store's checkpoint is launched before its pages are waited for."
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -297,4 +299,37 @@ def test_a_store_that_fails_once_its_first_part_went_ahead_leaves_nothing(monkey
     assert engine.books.host.used_bytes == 0 and violations(engine) == []
     assert engine.store(source, keys, rows).stored == PAGES
     assert loaded(engine, keys, source, rows) == PAGES
+    engine.close()
+
+
+@pytest.mark.concurrent
+def test_stores_of_overlapping_prompts_from_four_threads_keep_the_books_and_the_bytes():
+    # the parts copied ahead of their claim race other stores of the same keys and the
+    # evictions a small tier makes: every hit still loads the bytes stored under its key.
+    # A store finding the whole tier in others' copies says so (ResourceExhausted), as
+    # without parts ahead
+    import threading
+    engine, source = open_engine(host_pages=PAGES // 2), random_buffers(LAYOUT, seed=7)
+    keys = prompt_keys(LAYOUT, seed=7, pages=PAGES)
+    failures: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng, target = np.random.default_rng(seed), random_buffers(LAYOUT, seed=100 + seed)
+        try:
+            for _ in range(20):
+                start = int(rng.choice([0, 100, 700, 1500, 2200]))  # prompts that overlap
+                stop = min(PAGES, start + int(rng.integers(100, 1300)))
+                with contextlib.suppress(ResourceExhausted):
+                    engine.store(source, keys[start:stop], range(start, stop))
+                got = engine.load(target, keys, range(PAGES, 2 * PAGES)).match.pages
+                assert same(page_bytes(target, range(PAGES, PAGES + got)), page_bytes(source, range(got)))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            failures.append(error)
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert violations(engine) == []
     engine.close()
