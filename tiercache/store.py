@@ -234,8 +234,9 @@ class Stores:
         than claiming, so more parts would only add claims, launches and publishes."""
         job, group = flight.job, flight.group
         flight.stamp = stamp
-        parts = _parts(len(keys), group.nbytes, ahead=flight.early is not None)
-        for part in [slice(0, len(keys))] if flight.tier == Tier.DEVICE else parts:
+        parts = ([slice(0, len(keys))] if flight.tier == Tier.DEVICE
+                 else _parts(len(keys), group.nbytes, ahead=flight.early is not None))
+        for part in parts:
             with trace.span("claim"):
                 claim = self.books.claim(group.kind, keys[part], depths[part], group.nbytes,
                                          values[part], stamp,
