@@ -5,7 +5,7 @@ For each row size, 24 paged buffers; a prompt of P pages whose rows are scattere
 twice as many rows. Store = worker rows -> daemon (host tier: page-locked memory written
 by one Triton launch from the GPU); load = daemon -> other scattered rows. Beside them, in
 the same run, right after each row size: one bulk pinned `copy_` of the same byte count
-each way (the PCIe limit, its best of 9; ours are medians), and a per-row `copy_` loop
+each way (the PCIe limit, its best of 9; ours are medians of 9), and a per-row `copy_` loop
 (the naive peer). Times are wall times at the worker, RPC included, until the bytes are
 in place: loads and stores as workers call them by default (the daemon replies once the
 copy is queued, and the worker's stream waits for it; the benchmark then waits for the
@@ -152,9 +152,9 @@ def ours(address: str, row_bytes: int) -> tuple[float, float, float, float, floa
 
     def load_waited():  # the daemon waits for the copy before it replies
         assert worker.load(keys=keys, kv_rows=dst, synchronous=True).match.pages == pages
-    store_s = median_seconds(store, repeat=5, setup=lambda: worker.evict(keys=keys))
-    load_s = median_seconds(load, repeat=5)
-    waited_s = median_seconds(load_waited, repeat=5)
+    store_s = median_seconds(store, repeat=9, setup=lambda: worker.evict(keys=keys))
+    load_s = median_seconds(load, repeat=9)
+    waited_s = median_seconds(load_waited, repeat=9)
     raw = [t.view(torch.int16) for t in tensors.values()]
     assert all(torch.equal(t[dst], t[src]) for t in raw)
     host = torch.empty((pages, BUFFERS * row_bytes), dtype=torch.uint8, pin_memory=True)

@@ -129,3 +129,22 @@ def copy(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: Any) -> 
     status = function(*args, ctypes.c_void_p(stream.cuda_stream))
     if status != 0:
         raise CopyEngineError(f"cuMemcpyBatchAsync of {count} rows failed: CUDA error {status}")
+
+
+@functools.cache
+def _upload_entry() -> Callable[..., int]:
+    function = ctypes.CDLL("libcuda.so.1").cuMemcpyHtoDAsync_v2
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return function
+
+
+def upload(address: int, array: np.ndarray, stream: Any) -> None:
+    """Queue a copy of `array` (C-contiguous, in host memory that need not be page-locked)
+    to the GPU memory at `address` on `stream` (a torch.cuda.Stream), in its order. The
+    driver has taken the array's bytes when this returns (from pageable memory it stages
+    them first: keep arrays small, a few tens of KiB, or it may wait for the stream)."""
+    bind(stream.device_index)
+    status = _upload_entry()(address, array.ctypes.data, array.nbytes, stream.cuda_stream)
+    if status != 0:
+        raise RuntimeError(f"cuMemcpyHtoDAsync of {array.nbytes} bytes failed: CUDA error {status}")

@@ -115,20 +115,38 @@ def copy_rows(table: BufferTable, rows: torch.Tensor, slot_addresses: torch.Tens
     entries, buffers = len(rows), len(table.width)
     if not entries or not buffers:
         return
-    grid = (entries * buffers, triton.cdiv(table.max_width // 4, CHUNK_WORDS), 1)
     block = block_words(table.min_width)
     key = (rows.device.index, to_slots, block)
-    compiled = _compiled.get(key)
-    if compiled is not None:
-        # the tables by address and the stream given: Triton's launcher asked the driver
-        # about each of six tensors' pointers and torch for the current stream, per launch
+    if key in _compiled:
         handle = (stream if stream is not None else torch.cuda.current_stream(rows.device)).cuda_stream
-        compiled[grid](*table.addresses, rows.data_ptr(), slot_addresses.data_ptr(), buffers, to_slots,
-                       CHUNK_WORDS, block, stream=handle)
+        launch(table, rows.data_ptr(), slot_addresses.data_ptr(), entries, to_slots, key[0], handle)
         return
     pointers = (table.base, table.stride, table.width, table.offset, rows, slot_addresses)
     with current(stream) if stream is not None else nullcontext():
-        _compiled[key] = _through_triton(grid, pointers, buffers, to_slots, block)
+        _compiled[key] = _through_triton(_grid(table, entries), pointers, buffers, to_slots, block)
+
+
+def launch(table: BufferTable, rows: int, slot_addresses: int, entries: int, to_slots: bool,
+           device: int, stream: int) -> None:
+    """`copy_rows`, its rows and slot addresses given by where they lie on GPU `device` (two
+    int64 arrays of `entries` each) and its stream by its handle: for callers that keep
+    them in memory of their own (transfer._Ring). The kernel is loaded first if it is not
+    yet (`prepare`)."""
+    if not entries or not len(table.width):
+        return
+    block = block_words(table.min_width)
+    compiled = _compiled.get((device, to_slots, block))
+    if compiled is None:
+        prepare(torch.device("cuda", device), [table.min_width])
+        compiled = _compiled[(device, to_slots, block)]
+    # the tables by address and the stream given: Triton's launcher asked the driver about
+    # each of six tensors' pointers and torch for the current stream, per launch
+    compiled[_grid(table, entries)](*table.addresses, rows, slot_addresses, len(table.width), to_slots,
+                                    CHUNK_WORDS, block, stream=stream)
+
+
+def _grid(table: BufferTable, entries: int) -> tuple[int, int, int]:
+    return (entries * len(table.width), triton.cdiv(table.max_width // 4, CHUNK_WORDS), 1)
 
 
 def prepare(device: torch.device, row_bytes: Iterable[int]) -> None:

@@ -179,6 +179,7 @@ SLOW_SYNC = 10.0  # seconds a wait for a GPU's copies may take before the log sa
 STAGE_BYTES = 64 << 20  # each half of a direction's ring (GPU memory, taken at first use)
 MIN_RUN_BYTES = 1 << 20  # staged only where the slots' runs are this long on average
 MAX_STAGED_ENTRY = STAGE_BYTES // 4  # longer entries keep their rows' own path
+ROWS_KEPT = 8192  # worker rows a staged copy uploads into its ring's own memory, at most
 
 
 def _pieces(addresses: np.ndarray, stride: int, slabs: np.ndarray | None, per_half: int
@@ -200,27 +201,46 @@ def _pieces(addresses: np.ndarray, stride: int, slabs: np.ndarray | None, per_ha
 class _Ring:
     """Two halves of device memory that a direction's staged copies pass through, in turn.
     A half is refilled only after the copy that read it last (its `free` event): the
-    events are taken and recorded under `lock`, so calls from several threads keep one
-    order on the GPU."""
+    events are recorded under `lock`, so calls from several threads keep one order on the
+    GPU. A staged copy's worker rows go up into `rows` (ROWS_KEPT of them; more into
+    memory of their own), on the stream of the launches that read them."""
 
     def __init__(self, device: torch.device) -> None:
         self.memory = torch.empty((2, STAGE_BYTES), dtype=torch.uint8, device=device)
         self.bases = [half.data_ptr() for half in self.memory]
-        self.free: list[torch.cuda.Event | None] = [None, None]
+        self.rows = torch.empty(ROWS_KEPT, dtype=torch.int64, device=device)
+        # recorded again at each turn: a wait queued on an event waits for its record then
+        self.free = [torch.cuda.Event(), torch.cuda.Event()]  # the copy that read the half
+        self.handed = [torch.cuda.Event(), torch.cuda.Event()]  # the half filled
+        self.used = [False, False]  # whether `free` was recorded yet
         self.next = 0
         self.lock = threading.Lock()
         self._slots: dict[int, list[torch.Tensor]] = {}
+        self._slot_addresses: dict[int, list[int]] = {}
 
-    def slots(self, stride: int) -> list[torch.Tensor]:
-        """Each half's slot addresses for entries `stride` bytes apart (int64, on the GPU)."""
+    def slots(self, stride: int, stream: torch.cuda.Stream) -> list[int]:
+        """Where each half's slot addresses lie for entries `stride` bytes apart (int64, on
+        the GPU; made on `stream`, that of the launches that read them, at first use)."""
         if stride not in self._slots:
-            at = torch.arange(STAGE_BYTES // stride, dtype=torch.int64, device=self.memory.device) * stride
-            self._slots[stride] = [at + base for base in self.bases]
-        return self._slots[stride]
+            with current(stream):
+                at = torch.arange(STAGE_BYTES // stride, dtype=torch.int64, device=self.memory.device) * stride
+                self._slots[stride] = [at + base for base in self.bases]
+            self._slot_addresses[stride] = [t.data_ptr() for t in self._slots[stride]]
+        return self._slot_addresses[stride]
 
     def take(self) -> int:
         half, self.next = self.next, 1 - self.next
         return half
+
+    def upload(self, rows: np.ndarray, stream: torch.cuda.Stream) -> tuple[int, torch.Tensor | None]:
+        """Where `rows` lie on the GPU once `stream` gets there, and what holds them if not
+        `self.rows` (keep it until the launches that read them are queued)."""
+        if len(rows) <= ROWS_KEPT:
+            copy_engines.upload(self.rows.data_ptr(), np.ascontiguousarray(rows, np.int64), stream)
+            return self.rows.data_ptr(), None
+        with current(stream):  # its memory freed in the stream's order, after the launches
+            held = torch.from_numpy(np.ascontiguousarray(rows, np.int64)).to(self.rows.device, non_blocking=True)
+        return held.data_ptr(), held
 
 
 class CudaTransfer:
@@ -340,7 +360,7 @@ class CudaTransfer:
         places = ((starts % per_half) * stride).astype(np.uint64)
         sizes = (lengths * stride).astype(np.uint64)
         bounds = np.searchsorted(starts, np.arange(0, len(rows) + per_half, per_half)).tolist()
-        from tiercache.kernels import copy_rows  # Triton only where there is a GPU
+        from tiercache.kernels import launch  # Triton only where there is a GPU
         ring = self._ring(direction)
         if ring is None:
             return False
@@ -349,33 +369,32 @@ class CudaTransfer:
         first, then = (kernel, pcie) if to_slots else (pcie, kernel)
         done = 0
         try:
-            with ring.lock, current(kernel):  # also makes the kernel stream's GPU current
+            with ring.lock, torch.cuda.device(self.device):  # the launches' device and context
                 # the rows, uploaded right before the first launch: a load's first copy into
                 # the ring is queued before them
-                on_device = None
+                uploaded: tuple[int, torch.Tensor | None] | None = None
                 for done in range(0, len(rows), per_half):
                     half, turn = ring.take(), done // per_half
                     pieces = slice(bounds[turn], bounds[turn + 1])
                     count = min(per_half, len(rows) - done)
                     staged = places[pieces] + np.uint64(ring.bases[half])
                     ends = (sources[pieces], staged) if to_slots else (staged, sources[pieces])  # to, from
-                    if ring.free[half] is not None:  # the copy that read this half last
+                    if ring.used[half]:  # the copy that read this half last
                         first.wait_event(ring.free[half])
                     for stream in (first, then):
                         with trace.gpu(direction, stream):
                             if stream is pcie:
                                 copy_engines.copy(*ends, sizes[pieces], pcie)
                             else:
-                                if on_device is None:  # from pageable memory: 15-25 us of CPU
-                                    on_device = torch.from_numpy(rows).to(self.device, non_blocking=True)
-                                copy_rows(table, on_device[done:done + count],
-                                          ring.slots(stride)[half][:count], to_slots)
+                                if uploaded is None:  # from pageable memory, by the driver
+                                    uploaded = ring.upload(rows, kernel)
+                                launch(table, uploaded[0] + 8 * done, ring.slots(stride, kernel)[half], count,
+                                       to_slots, kernel.device_index, kernel.cuda_stream)
                         if stream is first:
-                            handed = torch.cuda.Event()
-                            handed.record(first)
-                            then.wait_event(handed)
-                    ring.free[half] = torch.cuda.Event()
+                            ring.handed[half].record(first)
+                            then.wait_event(ring.handed[half])
                     ring.free[half].record(then)
+                    ring.used[half] = True
         except copy_engines.CopyEngineError as error:
             self._engines_refused(error)
             remaining = slice(done, None)  # the launch copies what the engines did not

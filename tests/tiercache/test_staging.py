@@ -129,8 +129,33 @@ def test_scattered_slots_stay_with_the_kernel(small_ring, engine_calls):
 
 
 @gpu
-def test_two_threads_through_one_ring_each_get_their_own_bytes(small_ring):
+@pytest.mark.parametrize("kept", [8192, 100])  # rows up into the ring's memory, or their own
+def test_stores_queued_back_to_back_each_copy_their_own_rows(small_ring, monkeypatch, kept):
+    """The second store's rows go up while the first's launches may still wait to read
+    theirs: each store copies its own rows."""
     from tiercache.transfer import CudaTransfer
+    monkeypatch.setattr(transfer, "ROWS_KEPT", kept)
+    source = worker_buffers(600, 6)
+    memory, (slab,) = host_slabs(1, 400)
+    order = np.random.default_rng(4).permutation(600)
+    first, second = order[:200], order[200:400]
+    cuda = CudaTransfer.open(torch.device("cuda"))
+    torch.cuda._sleep(50_000_000)  # the GPU busy a while: both stores queued before it copies
+    cuda.wait_for(torch.cuda.current_stream().record_event(), "store")
+    cuda.gather(source, [0, 4096], first, [SlabPart(slab, np.arange(200), np.arange(200))])
+    cuda.gather(source, [0, 4096], second, [SlabPart(slab, np.arange(200, 400), np.arange(200))])
+    cuda.fence("store").synchronize()
+    expect_entries(slab, range(200), source, first)
+    expect_entries(slab, range(200, 400), source, second)
+    cuda.close()
+    memory.release(slab)
+
+
+@gpu
+@pytest.mark.parametrize("kept", [8192, 100])
+def test_two_threads_through_one_ring_each_get_their_own_bytes(small_ring, monkeypatch, kept):
+    from tiercache.transfer import CudaTransfer
+    monkeypatch.setattr(transfer, "ROWS_KEPT", kept)
     source = worker_buffers(600, 3)
     memory, (slab,) = host_slabs(1, 600)
     cuda = CudaTransfer.open(torch.device("cuda"))

@@ -57,7 +57,6 @@ class SlotPool:
         self.slots_per_slab = slots_per_slab
         self.slabs: list[torch.Tensor | None] = []  # uint8 [slots, stride] each
         self._views: list[torch.Tensor | None] = []  # each slab's [slots, slot_bytes]
-        self.used: list[int] = []  # slots in use per slab
         self.fresh: list[int] = []  # per slab: slots never handed out start here
         self.free_slots: list[int] = []  # returned slots, a stack
 
@@ -66,16 +65,16 @@ class SlotPool:
         if number == len(self.slabs):
             self.slabs.append(slab)
             self._views.append(None)
-            self.used.append(0)
             self.fresh.append(0)
         else:
-            self.slabs[number], self.used[number], self.fresh[number] = slab, 0, 0
+            self.slabs[number], self.fresh[number] = slab, 0
         self._views[number] = slab[:, :self.slot_bytes]
 
     def pop(self, count: int) -> list[int]:
         """Up to `count` free slots: returned ones first (the top of the stack), then
-        slots never used, in ascending order."""
-        taken = self.free_slots[-count:][::-1] if count else []
+        slots never used, each kind in ascending order (a store's slots then lie in runs
+        in the order of its keys: the copy engines take a run as one copy)."""
+        taken = sorted(self.free_slots[-count:]) if count else []
         del self.free_slots[len(self.free_slots) - len(taken):]
         for number, slab in enumerate(self.slabs):
             if len(taken) == count:
@@ -87,22 +86,17 @@ class SlotPool:
             base = number * self.slots_per_slab
             taken.extend(range(base + start, base + end))
             self.fresh[number] = end
-        self._count(taken, 1)
         return taken
 
     def push(self, slots: list[int]) -> None:
-        self._count(slots, -1)
         self.free_slots.extend(slots)
 
-    def _count(self, slots: list[int], sign: int) -> None:
-        if slots:
-            counts = np.bincount(np.asarray(slots, np.int64) // self.slots_per_slab)
-            for slab in np.flatnonzero(counts).tolist():
-                self.used[slab] += sign * int(counts[slab])
-
     def release_empty(self) -> list[torch.Tensor]:
-        """Take out the slabs with no slot in use and return them."""
-        empty = {i for i, s in enumerate(self.slabs) if s is not None and self.used[i] == 0}
+        """Take out the slabs with no slot in use (each slot it handed out is back on the
+        free stack: counted here, not at every pop and push) and return them."""
+        back = np.bincount(np.asarray(self.free_slots, np.int64) // self.slots_per_slab,
+                           minlength=len(self.slabs))
+        empty = {i for i, s in enumerate(self.slabs) if s is not None and back[i] == self.fresh[i]}
         released = []
         for i in empty:
             released.append(self.slabs[i])
