@@ -235,7 +235,7 @@ class _Ring:
     def upload(self, rows: np.ndarray, stream: torch.cuda.Stream) -> tuple[int, torch.Tensor | None]:
         """Where `rows` lie on the GPU once `stream` gets there, and what holds them if not
         `self.rows` (keep it until the launches that read them are queued)."""
-        if len(rows) <= ROWS_KEPT:
+        if len(rows) <= len(self.rows):
             copy_engines.upload(self.rows.data_ptr(), np.ascontiguousarray(rows, np.int64), stream)
             return self.rows.data_ptr(), None
         with current(stream):  # its memory freed in the stream's order, after the launches
