@@ -310,9 +310,9 @@ class _Remote:
 
     def load(self, prompt: Request, rows: np.ndarray, slot: int | None, synchronous: bool) -> LoadResult:
         asynchronous = self._device is not None and not synchronous
-        with self._ordered(None, True, asynchronous) as (fields, replied):
+        with self._ordered(None, True, asynchronous) as (fields, sent, replied):
             request = self._load_request(prompt, rows, slot, asynchronous, **fields)
-            reply = self._sent("load", request, self._stub.Load)
+            reply = self._sent("load", request, self._stub.Load, sent)
             replied()
         result = load_from_proto(reply)
         if not request.asynchronous:
@@ -357,8 +357,8 @@ class _Remote:
     def store(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
               durable: bool, ready: Any = None, synchronous: bool = False) -> StoreResult:
         asynchronous = not (synchronous or durable)  # a durable store replies once copied
-        with self._ordered(ready, not synchronous, asynchronous) as (fields, replied):
-            result = self._stored(prompt, rows, checkpoints, durable, asynchronous, fields)
+        with self._ordered(ready, not synchronous, asynchronous) as (fields, sent, replied):
+            result = self._stored(prompt, rows, checkpoints, durable, asynchronous, fields, sent)
             replied()
             return result
 
@@ -373,19 +373,24 @@ class _Remote:
             return result
 
     def _stored(self, prompt: Request, rows: np.ndarray, checkpoints: Mapping[int, int],
-                durable: bool, asynchronous: bool, fields: dict[str, Any]) -> StoreResult:
+                durable: bool, asynchronous: bool, fields: dict[str, Any],
+                sent: Callable[[], None] | None = None) -> StoreResult:
         request = pb.StoreRequest(worker_id=self._id, keys=prompt.keys, checks=prompt.checks,
                                   durable=durable, event_tokens=prompt.tokens,
                                   asynchronous=asynchronous, first_page=prompt.first_page, **fields,
                                   **_rows_fields(rows, self._packed),
                                   checkpoints=[pb.Checkpoint(pages=n, slot=s)
                                                for n, s in sorted(checkpoints.items())])
-        return store_from_proto(self._sent("store", request, self._stub.Store))
+        return store_from_proto(self._sent("store", request, self._stub.Store, sent))
 
-    def _sent(self, kind: str, request: Any, call: Callable[..., T]) -> T:
+    def _sent(self, kind: str, request: Any, call: Callable[..., T],
+              sent: Callable[[], None] | None = None) -> T:
         """The reply to `request`: in the worker's lane or on its stream of calls, or as a
-        call of its own (they are busy with other threads' calls, or the daemon takes none)."""
+        call of its own (they are busy with other threads' calls, or the daemon takes none).
+        `sent` runs once the request is on its way, before the wait for its reply."""
         reply = self._start(kind, request)
+        if sent is not None:  # (if it raises, the lane stays busy: calls take the other ways)
+            sent()
         if reply is not None:
             return reply()
         return answered(lambda: call(request, **self._call))
@@ -401,10 +406,12 @@ class _Remote:
 
     @contextmanager
     def _ordered(self, given: Any, awaited: bool, asynchronous: bool
-                 ) -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
+                 ) -> Iterator[tuple[dict[str, Any], Callable[[], None], Callable[[], None]]]:
         """The request's fields that order its copies after the work queued on the current
         stream (or after the caller's `given` event) and, if `awaited`, that stream's later
-        work after the copies; and what to call once the reply came.
+        work after the copies; what to call once the request is on its way, before the
+        wait for its reply (it writes the call's ready word: WorkerSignals.call, deferred);
+        and what to call once the reply came.
 
         Where the daemon reads signal words (tiercache/signals.py), the stream waits on
         the call's done word wherever copies may still be queued: after an `asynchronous`
@@ -417,12 +424,12 @@ class _Remote:
         signals = self.signals
         if signals is None:
             with self._events.marked(given) as ready, self._events.awaited(awaited) as done:
-                yield {"ready_event": ready, "done_event": done}, lambda: None
+                yield {"ready_event": ready, "done_event": done}, lambda: None, lambda: None
             return
         self.check_registered()
-        with signals.call(given) as call:
+        with signals.call(given, deferred=True) as call:
             with self._settled(call, awaited=False) as replied:
-                yield {"signal": pb.Signal(slot=call.slot, value=call.value)}, replied
+                yield {"signal": pb.Signal(slot=call.slot, value=call.value)}, call.ready, replied
             if asynchronous:
                 call.await_done()
 

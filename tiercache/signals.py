@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -152,23 +152,32 @@ class WorkerSignals:
         return self._address + (self.slots + slot) * WORD
 
     @contextmanager
-    def call(self, given: torch.cuda.Event | None = None) -> Iterator["Call"]:
+    def call(self, given: torch.cuda.Event | None = None, deferred: bool = False) -> Iterator["Call"]:
         """A slot and value for one call, its ready word written on the current stream now
         (after all work queued on it so far), or after the caller's `given` event on a
-        stream of this worker's. The slot is taken again once every stream the call
-        used has passed the point where the block ended."""
+        stream of this worker's. With `deferred`, the word is written at the call's
+        `ready()`, or when the block ends if that comes first: the caller queues nothing on
+        the stream meanwhile, and calls `ready()` once its request is on its way, before it
+        waits for the reply (the daemon's wait for the word is queued on the GPU, so the
+        write need not come before the request). The slot is taken again once every
+        stream the call used has passed the point where the block ended."""
         stream = torch.cuda.current_stream(self.device)
         slot, value = self._take()
         writer = stream
         if given is not None:
             writer = self._writer
             writer.wait_event(given)
-        write_value(writer, self.ready_word(slot), value)
-        call = Call(self, slot, value, stream)
+        call = Call(self, slot, value, stream, lambda: write_value(writer, self.ready_word(slot), value))
+        if not deferred:
+            call.ready()
         try:
             yield call
         finally:
-            self._ends[slot] = [stream.record_event(), *([writer.record_event()] if writer is not stream else [])]
+            try:
+                call.ready()  # on every way out: the daemon's copies may wait for it
+            finally:
+                self._ends[slot] = [stream.record_event(),
+                                    *([writer.record_event()] if writer is not stream else [])]
 
     def _take(self) -> tuple[int, int]:
         """A free slot (one whose last call's words were all written and waited on: a
@@ -244,8 +253,16 @@ class WorkerSignals:
 class Call:
     """One call's place in the words (its slot and value)."""
 
-    def __init__(self, signals: WorkerSignals, slot: int, value: int, stream: torch.cuda.Stream) -> None:
+    def __init__(self, signals: WorkerSignals, slot: int, value: int, stream: torch.cuda.Stream,
+                 write: Callable[[], None]) -> None:
         self._signals, self.slot, self.value, self._stream = signals, slot, value, stream
+        self._write: Callable[[], None] | None = write
+
+    def ready(self) -> None:
+        """Queue the write of the call's ready word, if not yet (WorkerSignals.call)."""
+        write, self._write = self._write, None
+        if write is not None:
+            write()
 
     def await_done(self) -> None:
         """Queue the worker's stream behind the daemon's write of the done word (the

@@ -177,7 +177,7 @@ def test_rows_sent_unpacked_load_as_packed_ones_do(world):
                                      kv_rows=list(range(10, 16)), slot=1))
     assert packed.match.pages == reply.match.pages == 6
     sent, real = [], worker._backend._sent
-    worker._backend._sent = lambda kind, request, call: sent.append(request) or real(kind, request, call)
+    worker._backend._sent = lambda kind, request, *rest: sent.append(request) or real(kind, request, *rest)
     worker._backend._packed = False  # as after registering with an older daemon
     try:
         assert worker.load(prompt(0), kv_rows=range(10, 16), slot=1).match.pages == 6

@@ -85,6 +85,25 @@ def test_a_written_ready_word_releases_the_copies_and_nothing_is_forced():
     assert wait.passed() and daemon.release() == 0 and not wait.forced
 
 
+def test_a_deferred_ready_word_is_written_at_ready_or_when_the_call_ends():
+    worker, daemon = _sides()
+    for ended_first in (False, True):
+        copies = torch.cuda.Stream()
+        with worker.call(deferred=True) as call:
+            wait = daemon.ready(call.slot, call.value)
+            copies.wait_event(wait)  # the daemon's copies, queued before the word is written
+            assert _blocked(copies, 0.1)
+            if not ended_first:
+                call.ready()
+                call.ready()  # once only
+                copies.synchronize()
+                assert wait.passed()
+        copies.synchronize()  # a call that ended without ready(): written on the way out
+        assert wait.passed() and not wait.forced
+    assert worker.words[:2].tolist() == [1, 2]  # each call's value in its slot's ready word
+    assert daemon.release() == 0
+
+
 def test_the_workers_stream_waits_on_the_done_word_until_written_or_released():
     worker, daemon = _sides()
     copies, mine = torch.cuda.Stream(), torch.cuda.Stream()
