@@ -123,6 +123,12 @@ class SlotPool:
         """Split a list of slots by slab (usually one part), slabs in ascending order."""
         if not len(slots):
             return
+        first, last = int(slots.min()) // self.slots_per_slab, int(slots.max()) // self.slots_per_slab
+        if first == last:  # all in one slab, the usual case: no split, no sort
+            view = self._views[first]
+            assert view is not None, f"slots {slots} lie in a released slab"
+            yield SlabPart(view, slots - first * self.slots_per_slab, np.arange(len(slots)))
+            return
         numbers, local = np.divmod(slots, self.slots_per_slab)
         # slots in slab order (the usual case: taken in order) need no sort; otherwise one
         # sort for all slabs, not a pass over the list per slab
