@@ -28,7 +28,7 @@ PYV := $(VLLM_VENV)/bin/python
 
 env: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py tiercache/_keymap.c tiercache/_index.c tiercache/_rows.c tiercache/_spin.c tiercache/_lane.c
+$(VENV)/.installed: pyproject.toml setup.py tiercache/_keymap.c tiercache/_index.c tiercache/_rows.c tiercache/_spin.c tiercache/_lane.c tiercache/_chain.c tiercache/vendor/xxhash.h
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(PIP_TORCH)
@@ -41,7 +41,7 @@ serve: env  ## the daemon with defaults: ./tiercache-data, 1 GiB of host memory
 test: env  ## quiet, as pyproject's addopts say; ends with the "N passed" line (CI reads it)
 	$(PY) -m pytest
 
-$(VLLM_VENV)/.installed: pyproject.toml setup.py tiercache/_keymap.c tiercache/_index.c tiercache/_rows.c tiercache/_spin.c tiercache/_lane.c
+$(VLLM_VENV)/.installed: pyproject.toml setup.py tiercache/_keymap.c tiercache/_index.c tiercache/_rows.c tiercache/_spin.c tiercache/_lane.c tiercache/_chain.c tiercache/vendor/xxhash.h
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(PYV) -m pip install -q --upgrade pip
 	$(PYV) -m pip install -q $(PIP_TORCH)

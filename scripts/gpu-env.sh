@@ -10,7 +10,7 @@ fi
 ln -sfn "$PWD/service" /tmp/tiercache-site/tiercache_service
 # the package's C modules (setup.py's extensions), built in this tree for this Python by
 # gcc itself: `setup.py build_ext` needs a setuptools new enough for pyproject's metadata
-for module in _keymap _index _rows _spin _lane; do
+for module in _keymap _index _rows _spin _lane _chain; do
   python3 -c 'import subprocess, sys, sysconfig as s; subprocess.run(["gcc", "-O2", "-shared",
     "-fPIC", "-I" + s.get_paths()["include"], f"tiercache/{sys.argv[1]}.c", "-o",
     f"tiercache/{sys.argv[1]}" + s.get_config_var("EXT_SUFFIX")], check=True)' $module || exit 1

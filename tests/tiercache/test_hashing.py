@@ -90,6 +90,25 @@ def test_a_chain_has_the_page_keys_and_a_check_per_page():
     assert chain.checks[0] == changed.checks[0] and chain.checks[1] != changed.checks[1]
 
 
+@pytest.mark.parametrize("count, page", [(0, 16), (15, 16), (16, 16), (16 * 300 + 7, 16), (999, 1),
+                                         (4096 + 3, 64), (40_000, 20_000)])
+def test_keys_and_checks_are_xxh3_of_the_last_key_and_the_pages_tokens(count, page):
+    """The chain hashed in C (tiercache/_chain.c) against xxhash itself, page by page."""
+    import xxhash
+    from tiercache.hashing import _CHECK_SEED
+    tokens = np.random.default_rng(count).integers(0, 2**32, count, dtype=np.int64)
+    tokens[::97] = 2**32 - 1
+    data, step, prev, keys, checks = tokens.astype("<u4").tobytes(), 4 * page, bytes(ROOT), [], []
+    for start in range(0, len(data) - step + 1, step):
+        checks.append(xxhash.xxh3_64_intdigest(prev + data[start:start + step], _CHECK_SEED))
+        prev = xxhash.xxh3_128_digest(prev + data[start:start + step])
+        keys.append(prev)
+    for given in (tokens.tolist(), tokens, torch.from_numpy(tokens)):
+        chain = page_chain(given, ROOT, page)
+        assert page_keys(given, ROOT, page) == chain.keys == keys
+        assert chain.checks.tolist() == checks and chain.checks.dtype == np.uint64
+
+
 def test_a_narrowed_hash_keeps_only_its_first_bits():
     name = narrow_hash_for_tests(12)
     key = HASHES[name](b"some page")
