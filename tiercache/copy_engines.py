@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from tiercache.streams import bind
+from tiercache.streams import bind, checked, libcuda
 
 MIN_ROW_BYTES = 1 << 20
 MIN_MOVE_BYTES = 256 * 1024
@@ -48,7 +48,7 @@ def _entry() -> tuple[Callable[..., int], bool] | None:
     """The driver's batch copy and whether it is the CUDA 13 form (no failIdx), or None
     where the driver has none (older than 12.8, or no driver)."""
     try:
-        driver = ctypes.CDLL("libcuda.so.1")
+        driver = libcuda()
     except OSError:
         return None
     for name, current in (("cuMemcpyBatchAsync_v2", True), ("cuMemcpyBatchAsync", False)):
@@ -133,7 +133,7 @@ def copy(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: Any) -> 
 
 @functools.cache
 def _upload_entry() -> Callable[..., int]:
-    function = ctypes.CDLL("libcuda.so.1").cuMemcpyHtoDAsync_v2
+    function = libcuda().cuMemcpyHtoDAsync_v2
     function.restype = ctypes.c_int
     function.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     return function
@@ -145,6 +145,5 @@ def upload(address: int, array: np.ndarray, stream: Any) -> None:
     driver has taken the array's bytes when this returns (from pageable memory it stages
     them first: keep arrays small, a few tens of KiB, or it may wait for the stream)."""
     bind(stream.device_index)
-    status = _upload_entry()(address, array.ctypes.data, array.nbytes, stream.cuda_stream)
-    if status != 0:
-        raise RuntimeError(f"cuMemcpyHtoDAsync of {array.nbytes} bytes failed: CUDA error {status}")
+    checked(_upload_entry()(address, array.ctypes.data, array.nbytes, stream.cuda_stream),
+            f"cuMemcpyHtoDAsync of {array.nbytes} bytes")

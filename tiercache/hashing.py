@@ -129,12 +129,6 @@ def _page_bytes(page_tokens: int) -> int:
     return page_tokens * _TOKEN_DTYPE.itemsize
 
 
-def _token_bytes(tokens: Any, page_tokens: int) -> np.ndarray:
-    """The tokens as hashed (token_array), once `page_tokens` is checked."""
-    _page_bytes(page_tokens)
-    return token_array(tokens)
-
-
 def _pages(tokens: Any, page_tokens: int) -> Iterable[bytes]:
     """The bytes of every full page of `tokens`, cut by struct in blocks of pages (in C:
     half the time of slicing page by page, which was half of hashing a prompt)."""
@@ -151,7 +145,8 @@ def page_keys(tokens: Any, root: PageKey, page_tokens: int,
               hash_name: str = "xxh3_128") -> list[PageKey]:
     """Chained keys of every full page of `tokens`; a partial last page gets none."""
     if hash_name == "xxh3_128":  # the whole chain in C
-        return _chain.chain(_token_bytes(tokens, page_tokens), _page_bytes(page_tokens), root, None)[0]
+        step = _page_bytes(page_tokens)
+        return _chain.chain(token_array(tokens), step, root, None)[0]
     digest, prev = HASHES[hash_name], bytes(root)  # PageKey is bytes: no wrapping per page
     return [prev := digest(prev + page) for page in _pages(tokens, page_tokens)]
 
@@ -168,8 +163,8 @@ def page_chain(tokens: Any, root: PageKey, page_tokens: int,
                hash_name: str = "xxh3_128") -> Chain:
     """`page_keys` and, for every page, its check (see the module doc)."""
     if hash_name == "xxh3_128":  # the whole chain in C
-        keys, checks_bytes = _chain.chain(_token_bytes(tokens, page_tokens), _page_bytes(page_tokens),
-                                          root, _CHECK_SEED)
+        step = _page_bytes(page_tokens)
+        keys, checks_bytes = _chain.chain(token_array(tokens), step, root, _CHECK_SEED)
         return Chain(keys, np.frombuffer(checks_bytes, np.uint64))
     digest, check = HASHES[hash_name], xxhash.xxh3_64_intdigest
     keys: list[PageKey] = []

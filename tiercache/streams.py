@@ -43,11 +43,13 @@ _primary: dict[int, int] = {}  # device index -> its primary context (retained, 
 
 
 @functools.cache
-def _libcuda() -> ctypes.CDLL:
+def libcuda() -> ctypes.CDLL:
+    """The driver's library, loaded once (OSError where there is none)."""
     return ctypes.CDLL("libcuda.so.1")
 
 
-def _checked(status: int, what: str) -> None:
+def checked(status: int, what: str) -> None:
+    """Raise for a driver call's status other than success."""
     if status != 0:
         raise RuntimeError(f"{what} failed: CUDA error {status}")
 
@@ -55,14 +57,14 @@ def _checked(status: int, what: str) -> None:
 def bind(device: int) -> None:
     """Make GPU `device`'s primary context (the one torch and the runtime use) the calling
     thread's current context, for the driver's calls that follow."""
-    cuda = _libcuda()
+    cuda = libcuda()
     context = _primary.get(device)
     if context is None:
         ordinal, retained = ctypes.c_int(), ctypes.c_void_p()
-        _checked(cuda.cuDeviceGet(ctypes.byref(ordinal), device), "cuDeviceGet")
-        _checked(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(retained), ordinal), "cuDevicePrimaryCtxRetain")
+        checked(cuda.cuDeviceGet(ctypes.byref(ordinal), device), "cuDeviceGet")
+        checked(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(retained), ordinal), "cuDevicePrimaryCtxRetain")
         context = _primary.setdefault(device, retained.value)
     now = ctypes.c_void_p()
-    _checked(cuda.cuCtxGetCurrent(ctypes.byref(now)), "cuCtxGetCurrent")
+    checked(cuda.cuCtxGetCurrent(ctypes.byref(now)), "cuCtxGetCurrent")
     if now.value != context:
-        _checked(cuda.cuCtxSetCurrent(ctypes.c_void_p(context)), "cuCtxSetCurrent")
+        checked(cuda.cuCtxSetCurrent(ctypes.c_void_p(context)), "cuCtxSetCurrent")
